@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the tests).
+# Each creates .venv and installs the package on first use, so a fresh clone needs nothing else.
+PYTHON ?= python3
+VENV ?= .venv
+# A CPU machine takes torch 2.13's CPU wheel; on a GPU machine use e.g. `make test TORCH=torch`.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install demo test test-all lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quantization_error.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+# Also runs the tests marked slow (several minutes more on 2 cores).
+test-all: $(STAMP)
+	SDP4BIT_SLOW=1 $(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/python -m pip install --quiet ruff
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info lightning_logs

@@ -1,0 +1,38 @@
+"""lightning-sdp4bit: sharded data parallelism for PyTorch Lightning that communicates in ~4 bits.
+
+    import lightning_sdp4bit                     # registers the "sdp4bit" strategy name
+    trainer = Trainer(strategy="sdp4bit")        # qWD weights + TLq-HS gradients, paper defaults
+
+Public API (each name is imported on first use, so `import lightning_sdp4bit` stays quick):
+- `SDP4BitConfig`: the configuration dataclass and its presets;
+- `quantize`, `dequantize`, `QuantizedTensor`: the reference group-wise quantizer;
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "SDP4BitConfig": "lightning_sdp4bit.config",
+    "PRESETS": "lightning_sdp4bit.config",
+    "QuantizedTensor": "lightning_sdp4bit.reference.quantize",
+    "quantize": "lightning_sdp4bit.reference.quantize",
+    "dequantize": "lightning_sdp4bit.reference.quantize",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_sdp4bit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,308 @@
+"""Configuration of the SDP4Bit strategy: one frozen dataclass, its presets and its loaders.
+
+`SDP4BitConfig` is the single source of truth. Dicts, omegaconf DictConfigs, YAML files and
+dotlist overrides (``["grad_inter_bits=8"]``) are all turned into it by the loaders below, so
+there is one set of checks, run in ``__post_init__``. Checks that need the world size run in
+`SDP4BitConfig.resolve_ranks_per_node`, which the strategy calls before any collective.
+
+This module imports neither torch nor omegaconf at import time, so that importing the package
+stays quick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GradQuant", "Rounding", "SDP4BitConfig", "WeightQuant", "PRESETS"]
+
+
+class WeightQuant(str, Enum):
+    """How the weight all-gather after the optimizer step is compressed."""
+
+    DIFF = "diff"  # qWD: quantize master - weights every rank already holds (the paper's method)
+    DIRECT = "direct"  # qW: quantize the new weights themselves (the ablation; ZeRO++'s qwZ)
+    NONE = "none"  # all-gather the weights uncompressed, in the weights' dtype
+
+
+class GradQuant(str, Enum):
+    """How the gradient reduce-scatter is compressed."""
+
+    TWO_LEVEL = "two_level"  # TLq(-HS): int-intra all-to-all, then int-inter all-to-all
+    NONE = "none"  # reduce-scatter in fp32, uncompressed
+
+
+class Rounding(str, Enum):
+    """How real values are rounded to quantization levels."""
+
+    STOCHASTIC = "stochastic"  # floor(v + u), u ~ U[0, 1): unbiased, what the paper uses
+    NEAREST = "nearest"  # round half to even: deterministic, used by the bit-exact tests
+
+
+ALLOWED_BITS = (2, 4, 8)
+
+
+def _is_power_of_two(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0 and value & (value - 1) == 0
+
+
+def _check_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def check_bits(name: str, value: Any) -> None:
+    """Raise a ValueError naming `name` unless `value` is a supported code width."""
+    if isinstance(value, bool) or value not in ALLOWED_BITS:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, ALLOWED_BITS))}, got {value!r}")
+
+
+def check_power_of_two(name: str, value: Any) -> None:
+    """Raise a ValueError naming `name` unless `value` is a positive power of two."""
+    if not _is_power_of_two(value):
+        raise ValueError(f"{name} must be a positive power of two (1, 2, 4, ...), got {value!r}")
+
+
+def coerce_enum(name: str, value: Any, enum_type: type[Enum]) -> Enum:
+    """Turn a string (or the enum itself) into `enum_type`, or raise a ValueError naming `name`."""
+    allowed = ", ".join(repr(member.value) for member in enum_type)
+    try:
+        return enum_type(value.value if isinstance(value, Enum) else value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class SDP4BitConfig:
+    """Everything that selects and tunes SDP4Bit's compression. Defaults are the paper's.
+
+    Build it directly, from a preset (`SDP4BitConfig.preset("qwd")`), from a dict or DictConfig
+    (`from_dict`), from YAML (`from_yaml`), and refine it with dotlist overrides
+    (`with_overrides(["weight_bits=8"])`). Every invalid value raises a ValueError that names the
+    field and what is allowed.
+    """
+
+    weight_quant: WeightQuant = WeightQuant.DIFF
+    """Weight all-gather: "diff" (qWD), "direct" (qW, the ablation) or "none"."""
+
+    weight_bits: int = 4
+    """Code width of the weight all-gather: 2, 4 or 8 bits. Levels are -(2^(b-1)-1)..2^(b-1)-1."""
+
+    weight_group_size: int = 2048
+    """Elements per fp32 scale in the weight all-gather (a power of two). 2048 costs 32/2048 bits."""
+
+    grad_quant: GradQuant = GradQuant.TWO_LEVEL
+    """Gradient reduce-scatter: "two_level" (two quantized all-to-alls) or "none" (fp32)."""
+
+    grad_intra_bits: int = 8
+    """Code width of the intra-node gradient all-to-all: 2, 4 or 8 bits."""
+
+    grad_inter_bits: int = 4
+    """Code width of the inter-node gradient all-to-all: 2, 4 or 8 bits."""
+
+    grad_group_size: int = 128
+    """Elements per fp32 scale at both gradient stages (a power of two, a multiple of hadamard_size)."""
+
+    hadamard_size: int = 32
+    """Block of the Walsh-Hadamard transform applied to gradients before quantizing; 0 turns it off."""
+
+    rounding: Rounding = Rounding.STOCHASTIC
+    """"stochastic" (unbiased; the paper's choice) or "nearest" (deterministic)."""
+
+    ranks_per_node: int | None = None
+    """Ranks that share a node for the two-level all-to-all. None takes LOCAL_WORLD_SIZE; an int
+    emulates several nodes on one host (4 processes with 2 per node = 2 virtual nodes)."""
+
+    bucket_numel: int = 40_000_000
+    """Target elements per gradient/weight bucket. Larger buckets mean fewer, bigger collectives;
+    smaller ones start communicating earlier in backward. A parameter never spans two buckets."""
+
+    min_compress_numel: int = 0
+    """Buckets with fewer elements than this travel uncompressed. 0 (default) compresses all; the
+    strategy logs which buckets it leaves out, so nothing falls back silently."""
+
+    seed: int = 0
+    """Base seed of stochastic rounding; each rank, step, bucket and stage derives its own."""
+
+    log_comm_stats: bool = True
+    """Log the per-step communication figures (bytes, bits per element) through the Trainer."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_quant", coerce_enum("weight_quant", self.weight_quant, WeightQuant))
+        object.__setattr__(self, "grad_quant", coerce_enum("grad_quant", self.grad_quant, GradQuant))
+        object.__setattr__(self, "rounding", coerce_enum("rounding", self.rounding, Rounding))
+        check_bits("weight_bits", self.weight_bits)
+        check_bits("grad_intra_bits", self.grad_intra_bits)
+        check_bits("grad_inter_bits", self.grad_inter_bits)
+        check_power_of_two("weight_group_size", self.weight_group_size)
+        check_power_of_two("grad_group_size", self.grad_group_size)
+        _check_int("hadamard_size", self.hadamard_size)
+        if self.hadamard_size != 0:
+            if not _is_power_of_two(self.hadamard_size) or self.hadamard_size > self.grad_group_size:
+                raise ValueError(
+                    "hadamard_size must be 0 (off) or a power of two that divides grad_group_size "
+                    f"({self.grad_group_size}), got {self.hadamard_size!r}"
+                )
+        if self.ranks_per_node is not None:
+            _check_int("ranks_per_node", self.ranks_per_node)
+            if self.ranks_per_node < 1:
+                raise ValueError(f"ranks_per_node must be None or a positive integer, got {self.ranks_per_node!r}")
+        _check_int("bucket_numel", self.bucket_numel)
+        if self.bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+        _check_int("min_compress_numel", self.min_compress_numel)
+        if self.min_compress_numel < 0:
+            raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel!r}")
+        _check_int("seed", self.seed)
+        if not isinstance(self.log_comm_stats, bool):
+            raise ValueError(f"log_comm_stats must be true or false, got {self.log_comm_stats!r}")
+
+    # ----------------------------------------------------------------------------------------
+    # Derived properties
+
+    @property
+    def compresses_weights(self) -> bool:
+        return self.weight_quant is not WeightQuant.NONE
+
+    @property
+    def compresses_grads(self) -> bool:
+        return self.grad_quant is not GradQuant.NONE
+
+    def resolve_ranks_per_node(self, world_size: int, local_world_size: int | None = None) -> int:
+        """The node size for the two-level all-to-all, checked against `world_size`.
+
+        `local_world_size` is the launcher's ranks per host (LOCAL_WORLD_SIZE); it is used when
+        `ranks_per_node` is None. Raises a ValueError when the result does not divide the world.
+        """
+        if self.ranks_per_node is not None:
+            ranks_per_node, source = self.ranks_per_node, "ranks_per_node"
+        else:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            ranks_per_node = local_world_size if local_world_size is not None else int(env) if env else world_size
+            source = "ranks_per_node (taken from LOCAL_WORLD_SIZE)"
+        if ranks_per_node < 1 or world_size % ranks_per_node != 0:
+            raise ValueError(
+                f"{source}={ranks_per_node} must divide the world size {world_size}: every node needs "
+                "the same number of ranks for the two-level all-to-all"
+            )
+        return ranks_per_node
+
+    # ----------------------------------------------------------------------------------------
+    # Loaders
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> SDP4BitConfig:
+        """The paper's ablations by name (see `PRESETS`), with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(map(repr, PRESETS))}, got {name!r}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SDP4BitConfig:
+        """Build from a mapping (a dict or an omegaconf DictConfig).
+
+        A ``preset`` key starts from that preset; the other keys then override it.
+        """
+        values = _to_plain_dict(values)
+        preset = values.pop("preset", None)
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown SDP4BitConfig field(s) {', '.join(map(repr, unknown))}; "
+                f"allowed: preset, {', '.join(cls.field_names())}"
+            )
+        if preset is not None:
+            return cls.preset(preset, **values)
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> SDP4BitConfig:
+        """Load a YAML file of fields (optionally with ``preset: name``), then apply dotlist overrides."""
+        from omegaconf import OmegaConf
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config path {str(path)!r} is not a file")
+        loaded = OmegaConf.load(path)
+        merged = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
+        return cls.from_dict(_to_plain_dict(merged))
+
+    def with_overrides(self, overrides: Iterable[str]) -> SDP4BitConfig:
+        """A copy with dotlist overrides applied, e.g. ``["grad_inter_bits=8", "rounding=nearest"]``.
+
+        ``preset=name`` restarts from that preset before the other overrides.
+        """
+        from omegaconf import OmegaConf
+
+        parsed = _to_plain_dict(OmegaConf.from_dotlist(list(overrides)))
+        if "preset" in parsed:
+            return SDP4BitConfig.from_dict(parsed)
+        return SDP4BitConfig.from_dict({**self.to_dict(), **parsed})
+
+    @classmethod
+    def coerce(cls, config: SDP4BitConfig | Mapping[str, Any] | str | os.PathLike | None) -> SDP4BitConfig:
+        """Accept whatever a user may pass as ``config=``: a config, a mapping, a YAML path or None."""
+        if config is None:
+            return cls()
+        if isinstance(config, SDP4BitConfig):
+            return config
+        if isinstance(config, (str, os.PathLike)):
+            return cls.from_yaml(config)
+        if isinstance(config, Mapping) or type(config).__name__ == "DictConfig":
+            return cls.from_dict(config)
+        raise ValueError(
+            "config must be an SDP4BitConfig, a dict, an omegaconf DictConfig or a YAML path, "
+            f"got {type(config).__name__}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain Python values (enums as their strings), ready for YAML or logging."""
+        return {
+            name: value.value if isinstance(value, Enum) else value
+            for name, value in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        }
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """The config as YAML text; also written to `path` when one is given."""
+        from omegaconf import OmegaConf
+
+        text = OmegaConf.to_yaml(OmegaConf.create(self.to_dict()))
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def _to_plain_dict(values: Any) -> dict[str, Any]:
+    """A dict of the mapping's items; a DictConfig is resolved into plain containers first."""
+    if type(values).__name__ == "DictConfig":
+        from omegaconf import OmegaConf
+
+        values = OmegaConf.to_container(values, resolve=True)
+    if not isinstance(values, Mapping):
+        raise ValueError(f"expected a mapping of SDP4BitConfig fields, got {type(values).__name__}")
+    return dict(values)
+
+
+_NO_GRAD_QUANT = {"grad_quant": "none"}
+_NO_WEIGHT_QUANT = {"weight_quant": "none"}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Table 1 of the paper, one column each. Fields not named keep their defaults.
+    "baseline": {**_NO_WEIGHT_QUANT, **_NO_GRAD_QUANT},
+    "qw": {"weight_quant": "direct", **_NO_GRAD_QUANT},
+    "qwd": {"weight_quant": "diff", **_NO_GRAD_QUANT},
+    "ulq": {**_NO_WEIGHT_QUANT, "grad_intra_bits": 4, "grad_inter_bits": 4, "hadamard_size": 0},
+    "tlq": {**_NO_WEIGHT_QUANT, "grad_intra_bits": 8, "grad_inter_bits": 4, "hadamard_size": 0},
+    "tlq_hs": {**_NO_WEIGHT_QUANT, "grad_intra_bits": 8, "grad_inter_bits": 4, "hadamard_size": 32},
+    "sdp4bit": {},
+}
+"""Named ablations. "sdp4bit" is qWD + TLq-HS, i.e. the defaults."""

@@ -1,0 +1,205 @@
+"""Reference twins of the five fused compression ops, and the wire format they share.
+
+Each `torch_*` function here has a Triton kernel in `lightning_sdp4bit.kernels` that must give
+the same bytes with nearest rounding (stochastic rounding draws its noise differently there, so
+it is checked statistically). `lightning_sdp4bit.ops` picks one of the two per call.
+
+**Payload** (what one all-to-all or all-gather chunk carries): for fp32 rows x [P, n], with n a
+multiple of the group size g and of 32/bits, the payload is uint8 [P, row_bytes] where each row
+is the packed b-bit codes of x[p] (n*b/8 bytes) followed by the fp32 scales of its n/g groups
+(4n/g bytes, native byte order). Codes and scales of a chunk are contiguous, so each chunk is one
+slice of the collective's buffer, and a row costs exactly b + 32/g bits per element.
+
+Glossary of the tensors the ops see (sizes in elements; W ranks, L per node, M = W/L nodes,
+S = shard size, bucket numel N = W*S):
+- **master shard**: fp32 [S], this rank's optimizer-owned slice of a bucket.
+- **model weights**: the bucket's full weights [N] in the module's dtype, identical on all ranks.
+- **weight update payload**: a rank's quantized weight difference (or weights, for qW), [1, row].
+- **rotated gradient**: the bucket's gradient after the blockwise Hadamard transform.
+- **intra-node payload**: [L, row(M*S)], chunk l holds the shards of local index l on all nodes.
+- **inter-node payload**: [M, row(S)], chunk m holds the shard of node m at this local index.
+- **gradient shard**: fp32 [S], this rank's slice of the averaged bucket gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_sdp4bit.config import Rounding, coerce_enum
+from lightning_sdp4bit.reference.hadamard import blockwise_hadamard, inverse_blockwise_hadamard
+from lightning_sdp4bit.reference.quantize import (
+    dequantize_groups,
+    pack_codes,
+    quantize_groups,
+    uniform_noise,
+    unpack_codes,
+)
+
+__all__ = [
+    "decode_rows",
+    "encode_rows",
+    "payload_row_bytes",
+    "stage_seed",
+    "torch_grad_decode_sum",
+    "torch_grad_encode",
+    "torch_grad_requantize",
+    "torch_weight_update_apply",
+    "torch_weight_update_encode",
+]
+
+_MASK64 = 2**64 - 1
+
+
+def stage_seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integers (base seed, step, bucket, rank, stage): splitmix64 steps.
+
+    Every rank derives its own stream for every step, bucket and stage, so runs are reproducible
+    and no two quantizations share their noise.
+    """
+    state = 0x9E3779B97F4A7C15
+    for part in parts:
+        state = (state ^ (int(part) & _MASK64)) & _MASK64
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state ^= state >> 31
+    return state & 0x7FFFFFFF
+
+
+def payload_row_bytes(numel: int, bits: int, group_size: int) -> int:
+    """Bytes of one payload row of `numel` elements: codes, then one fp32 scale per group."""
+    if numel % group_size or (numel * bits) % 32:
+        raise ValueError(
+            f"a payload row of {numel} elements must hold whole groups of {group_size} and whole "
+            f"32-bit words of {bits}-bit codes"
+        )
+    return numel * bits // 8 + 4 * (numel // group_size)
+
+
+def encode_rows(x: Tensor, bits: int, group_size: int, rounding: Rounding | str, seed: int) -> Tensor:
+    """Quantize fp32 rows x [P, n] into a payload uint8 [P, row_bytes(n)].
+
+    Stochastic noise is `uniform_noise(P * n, seed)` in x's row-major order.
+    """
+    rounding = coerce_enum("rounding", rounding, Rounding)
+    rows, numel = x.shape
+    row_bytes = payload_row_bytes(numel, bits, group_size)
+    noise = uniform_noise(x.numel(), seed, x.device) if rounding is Rounding.STOCHASTIC else None
+    codes, scales = quantize_groups(x.reshape(-1, group_size), bits, rounding, noise)
+    code_bytes = numel * bits // 8
+    payload = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
+    payload[:, :code_bytes] = pack_codes(codes, bits).view(rows, code_bytes)
+    payload[:, code_bytes:] = scales.view(rows, -1).contiguous().view(torch.uint8).view(rows, -1)
+    return payload
+
+
+def decode_rows(payload: Tensor, bits: int, group_size: int, numel: int) -> Tensor:
+    """Dequantize a payload uint8 [P, row_bytes(numel)] into fp32 rows [P, numel]."""
+    rows = payload.shape[0]
+    code_bytes = numel * bits // 8
+    codes = unpack_codes(payload[:, :code_bytes].contiguous(), bits, rows * numel)
+    scales = payload[:, code_bytes:].contiguous().view(torch.float32).reshape(-1)
+    return dequantize_groups(codes.view(-1, group_size), scales).view(rows, numel)
+
+
+def _sum_rows(rows: Tensor) -> Tensor:
+    """Sum [P, n] over P strictly in order 0, 1, ..., P-1 in fp32 (the kernels use this order)."""
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return total
+
+
+def torch_weight_update_encode(
+    master: Tensor,
+    weights: Tensor | None,
+    bits: int,
+    group_size: int,
+    rounding: Rounding | str,
+    seed: int,
+) -> Tensor:
+    """Sender side of the weight all-gather: payload [1, row_bytes(S)].
+
+    With `weights` (qWD), it quantizes the weight difference
+    fp32(master rounded to weights.dtype) - fp32(weights); with `weights=None` (qW), it
+    quantizes fp32(master) itself. master: fp32 or bf16 [S]; weights: [S].
+    """
+    if weights is None:
+        target = master.float()
+    else:
+        target = master.to(weights.dtype).float() - weights.float()
+    return encode_rows(target.view(1, -1), bits, group_size, rounding, seed)
+
+
+def torch_weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> Tensor:
+    """Receiver side: dequantize the gathered payload [W, row_bytes(S)] into weights [W*S], in place.
+
+    additive (qWD): weights = dtype(fp32(weights) + difference); otherwise (qW): weights = dtype(values).
+    Every rank, the sender included, runs this on the same bytes, so replicas stay bit-identical.
+    """
+    rows = payload.shape[0]
+    values = decode_rows(payload, bits, group_size, weights.numel() // rows).view(-1)
+    if additive:
+        values = weights.float() + values
+    weights.copy_(values.to(weights.dtype))
+    return weights
+
+
+def torch_grad_encode(
+    grad: Tensor,
+    outer: int,
+    chunks: int,
+    hadamard_size: int,
+    bits: int,
+    group_size: int,
+    rounding: Rounding | str,
+    seed: int,
+) -> Tensor:
+    """Gradient stage 1: rotate, quantize and lay out a bucket's gradient in destination order.
+
+    grad: fp32 or bf16 [N] with N = outer * chunks * S. The bucket is viewed as [outer, chunks, S]
+    and chunk c of the result holds grad[:, c, :] (outer*S elements), so that all-to-all chunk c
+    goes to peer c. Two-level: outer = nodes M, chunks = ranks per node L; one rank per node:
+    outer = 1, chunks = M. The Hadamard blocks never straddle S, so rotating first is the same as
+    rotating each chunk. Returns the payload [chunks, row_bytes(outer*S)].
+    """
+    x = grad.float()
+    if hadamard_size:
+        x = blockwise_hadamard(x, hadamard_size)
+    shard = x.numel() // (outer * chunks)
+    rows = x.view(outer, chunks, shard).transpose(0, 1).reshape(chunks, outer * shard)
+    return encode_rows(rows, bits, group_size, rounding, seed)
+
+
+def torch_grad_requantize(
+    payload: Tensor,
+    in_bits: int,
+    out_bits: int,
+    group_size: int,
+    outer: int,
+    rounding: Rounding | str,
+    seed: int,
+) -> Tensor:
+    """Gradient stage 2: dequantize the intra-node chunks received from L peers, sum them (in peer
+    order) and re-quantize to `out_bits`, staying in the Hadamard domain.
+
+    payload: [L, row_bytes(outer*S)]. Returns [outer, row_bytes(S)]: chunk m goes to node m.
+    """
+    numel = (payload.shape[1] * 8 * group_size) // (in_bits * group_size + 32)
+    total = _sum_rows(decode_rows(payload, in_bits, group_size, numel))
+    return encode_rows(total.view(outer, -1), out_bits, group_size, rounding, seed)
+
+
+def torch_grad_decode_sum(
+    payload: Tensor, bits: int, group_size: int, hadamard_size: int, out: Tensor | None = None
+) -> Tensor:
+    """Gradient stage 3: dequantize the P chunks of this rank's shard, sum them in order and undo
+    the Hadamard transform. payload: [P, row_bytes(S)]; returns (or fills `out`) fp32 [S]."""
+    numel = (payload.shape[1] * 8 * group_size) // (bits * group_size + 32)
+    total = _sum_rows(decode_rows(payload, bits, group_size, numel))
+    if hadamard_size:
+        total = inverse_blockwise_hadamard(total, hadamard_size)
+    if out is None:
+        return total
+    return out.copy_(total)

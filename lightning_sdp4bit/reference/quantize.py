@@ -1,0 +1,191 @@
+"""Group-wise symmetric absmax quantization and bit packing, in plain PyTorch.
+
+This is the executable specification. The Triton kernels must reproduce it bit for bit with
+nearest rounding; the distributed code is tested against simulations built from it.
+
+Definitions (b = bits, g = group size, qmax = 2^(b-1) - 1):
+- a tensor is flattened and cut into groups of g consecutive elements; a short tail is padded
+  with zeros, never dropped;
+- each group has one fp32 **scale** = absmax(group) / qmax (0 for an all-zero group);
+- each element has one integer **code** in [-qmax, qmax]: round(x / scale), where round is
+  `torch.round` (half to even) or stochastic, floor(x / scale + u) with u ~ U[0, 1);
+- dequantization is code * scale, in fp32;
+- **packing** stores codes as b-bit two's complement fields, 8/b per byte, element i of each
+  byte in bits [b*i, b*(i+1)) (low bits first). 8-bit codes are the int8 bytes themselves.
+
+Non-finite input gives a non-finite scale (NaN or inf) for its group, so the corruption stays
+visible after dequantization instead of turning into finite garbage. The public `quantize`
+refuses such input outright.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sdp4bit.config import Rounding, check_bits, check_power_of_two, coerce_enum
+
+__all__ = [
+    "QuantizedTensor",
+    "dequantize",
+    "dequantize_groups",
+    "max_level",
+    "pack_codes",
+    "quantize",
+    "quantize_groups",
+    "uniform_noise",
+    "unpack_codes",
+]
+
+
+def max_level(bits: int) -> int:
+    """Largest code magnitude: 127 for 8 bits, 7 for 4, 1 for 2 (the symmetric levels)."""
+    return 2 ** (bits - 1) - 1
+
+
+def uniform_noise(numel: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
+    """The U[0, 1) fp32 draws that stochastic rounding adds, reproducible from `seed`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(numel, generator=generator, device=device, dtype=torch.float32)
+
+
+def quantize_groups(
+    x: Tensor, bits: int, rounding: Rounding | str = Rounding.NEAREST, noise: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Quantize the rows of `x` (fp32, [groups, group_size]), one scale per row.
+
+    Returns (codes int8 [groups, group_size], scales fp32 [groups]). Stochastic rounding needs
+    `noise`, U[0, 1) values of x's shape (or numel), e.g. from `uniform_noise`.
+    """
+    rounding = coerce_enum("rounding", rounding, Rounding)
+    qmax = max_level(bits)
+    x = x.float()
+    # amax propagates NaN, and an inf absmax gives an inf scale: both stay non-finite.
+    scales = x.abs().amax(dim=1) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    scaled = x / safe[:, None]
+    if rounding is Rounding.NEAREST:
+        codes = torch.round(scaled)
+    else:
+        if noise is None:
+            raise ValueError("rounding='stochastic' needs noise (U[0, 1) draws of the input's shape)")
+        codes = torch.floor(scaled + noise.reshape(scaled.shape))
+    # |x / scale| <= qmax up to one ulp, so the clamp only catches that ulp.
+    return codes.clamp_(-qmax, qmax).to(torch.int8), scales
+
+
+def dequantize_groups(codes: Tensor, scales: Tensor) -> Tensor:
+    """fp32 [groups, group_size] = codes * scale, row by row."""
+    return codes.float() * scales[:, None]
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Pack int8 codes (any shape, flattened) into uint8 bytes, 8/bits codes per byte.
+
+    Output length is ceil(numel * bits / 8); a partial last byte is zero-padded.
+    """
+    flat = codes.reshape(-1)
+    if bits == 8:
+        return flat.view(torch.uint8).clone()
+    per_byte = 8 // bits
+    pad = (-flat.numel()) % per_byte
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    fields = (flat.to(torch.int16) & (2**bits - 1)).view(-1, per_byte)
+    packed = torch.zeros(fields.shape[0], dtype=torch.int16, device=codes.device)
+    for position in range(per_byte):
+        packed |= fields[:, position] << (bits * position)
+    return packed.to(torch.uint8)
+
+
+def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
+    """Inverse of `pack_codes`: int8 codes [numel], sign-extended from their b-bit fields."""
+    if bits == 8:
+        return packed.reshape(-1)[:numel].view(torch.int8)
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int16)
+    fields = (packed.reshape(-1, 1).to(torch.int16) >> shifts) & (2**bits - 1)
+    signed = torch.where(fields > max_level(bits), fields - 2**bits, fields)
+    return signed.reshape(-1)[:numel].to(torch.int8)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized tensor as it travels: packed codes, fp32 scales and what is needed to undo it."""
+
+    codes: Tensor
+    """uint8 [ceil(padded_numel * bits / 8)]: packed codes, padded to whole groups."""
+    scales: Tensor
+    """fp32 [ceil(numel / group_size)]: one absmax scale per group."""
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: codes plus scales (shape and dtype are known to the receiver)."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8 * self.nbytes / max(self.numel, 1)
+
+
+def quantize(
+    x: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    rounding: Rounding | str = "nearest",
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+) -> QuantizedTensor:
+    """Quantize `x` group-wise to `bits`-bit symmetric codes with one fp32 absmax scale per group.
+
+    Args:
+        x: a floating-point tensor of any shape; it is flattened, and a short last group is
+            zero-padded.
+        bits: 2, 4 or 8. The levels are -(2^(bits-1)-1)..+(2^(bits-1)-1).
+        group_size: elements per scale, a positive power of two.
+        rounding: "nearest" (half to even) or "stochastic" (unbiased: E[dequantize] = x).
+        generator, seed: the randomness of stochastic rounding; give one of them.
+
+    Returns:
+        a `QuantizedTensor`; `dequantize(q)` gives back x's shape and dtype, and `q.nbytes` is
+        its cost on the wire.
+
+    Raises:
+        ValueError: for bad arguments, or when `x` holds NaN or Inf (its scales would be garbage).
+    """
+    check_bits("bits", bits)
+    check_power_of_two("group_size", group_size)
+    rounding = coerce_enum("rounding", rounding, Rounding)
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if rounding is Rounding.STOCHASTIC and (generator is None) == (seed is None):
+        raise ValueError("rounding='stochastic' needs exactly one of generator= or seed=")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x holds NaN or Inf; quantizing it would give meaningless scales")
+    flat = x.detach().reshape(-1).float()
+    pad = (-flat.numel()) % group_size
+    groups = torch.nn.functional.pad(flat, (0, pad)).view(-1, group_size)
+    noise = None
+    if rounding is Rounding.STOCHASTIC:
+        if generator is None:
+            generator = torch.Generator(device=x.device).manual_seed(seed)
+        noise = torch.rand(groups.shape, generator=generator, device=x.device, dtype=torch.float32)
+    codes, scales = quantize_groups(groups, bits, rounding, noise)
+    return QuantizedTensor(pack_codes(codes, bits), scales, x.shape, x.dtype, bits, group_size)
+
+
+def dequantize(q: QuantizedTensor) -> Tensor:
+    """Undo `quantize`: a tensor of the original shape and dtype (codes times their group's scale)."""
+    padded = q.scales.numel() * q.group_size
+    codes = unpack_codes(q.codes, q.bits, padded).view(-1, q.group_size)
+    values = dequantize_groups(codes, q.scales).reshape(-1)[: q.numel]
+    return values.view(q.shape).to(q.dtype)

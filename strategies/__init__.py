@@ -1,0 +1,1 @@
+"""Lightning strategies of lightning-sdp4bit, installed as `lightning_sdp4bit.strategies`."""
