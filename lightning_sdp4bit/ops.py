@@ -1,0 +1,98 @@
+"""The one dispatch point between the reference ops and the Triton kernels.
+
+The engine calls only these five functions. Each takes the arguments of its reference twin in
+`lightning_sdp4bit.reference.ops` (see there for shapes and the payload format) and runs the
+Triton kernel for CUDA tensors when Triton is importable, else the reference. Both produce the
+same bytes with nearest rounding; stochastic rounding draws its noise from a different generator
+on each path, so the two paths are each reproducible but not equal to each other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import Tensor
+
+from lightning_sdp4bit.config import Rounding
+from lightning_sdp4bit.reference import ops as reference
+
+__all__ = [
+    "grad_decode_sum",
+    "grad_encode",
+    "grad_requantize",
+    "kernels_available",
+    "weight_update_apply",
+    "weight_update_encode",
+]
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Whether the Triton kernels can be imported here (Triton installed, with a GPU backend)."""
+    try:
+        import lightning_sdp4bit.kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _on_kernels(tensor: Tensor) -> bool:
+    return tensor.is_cuda and kernels_available()
+
+
+def weight_update_encode(
+    master: Tensor, weights: Tensor | None, bits: int, group_size: int, rounding: Rounding, seed: int
+) -> Tensor:
+    """Quantize this rank's weight difference (or weights, when `weights` is None): payload [1, row]."""
+    if _on_kernels(master):
+        from lightning_sdp4bit.kernels import weight_update_encode as kernel
+
+        return kernel(master, weights, bits, group_size, rounding, seed)
+    return reference.torch_weight_update_encode(master, weights, bits, group_size, rounding, seed)
+
+
+def weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> Tensor:
+    """Dequantize the gathered payload [W, row] into the weights [W*S], in place."""
+    if _on_kernels(weights):
+        from lightning_sdp4bit.kernels import weight_update_apply as kernel
+
+        return kernel(payload, weights, bits, group_size, additive)
+    return reference.torch_weight_update_apply(payload, weights, bits, group_size, additive)
+
+
+def grad_encode(
+    grad: Tensor,
+    outer: int,
+    chunks: int,
+    hadamard_size: int,
+    bits: int,
+    group_size: int,
+    rounding: Rounding,
+    seed: int,
+) -> Tensor:
+    """Gradient stage 1: rotate, quantize, lay out by destination: payload [chunks, row]."""
+    if _on_kernels(grad):
+        from lightning_sdp4bit.kernels import grad_encode as kernel
+
+        return kernel(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed)
+    return reference.torch_grad_encode(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed)
+
+
+def grad_requantize(
+    payload: Tensor, in_bits: int, out_bits: int, group_size: int, outer: int, rounding: Rounding, seed: int
+) -> Tensor:
+    """Gradient stage 2: dequantize + sum the peers' chunks + re-quantize: payload [outer, row]."""
+    if _on_kernels(payload):
+        from lightning_sdp4bit.kernels import grad_requantize as kernel
+
+        return kernel(payload, in_bits, out_bits, group_size, outer, rounding, seed)
+    return reference.torch_grad_requantize(payload, in_bits, out_bits, group_size, outer, rounding, seed)
+
+
+def grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: int, out: Tensor) -> Tensor:
+    """Gradient stage 3: dequantize + sum + inverse Hadamard into the fp32 gradient shard `out`."""
+    if _on_kernels(payload):
+        from lightning_sdp4bit.kernels import grad_decode_sum as kernel
+
+        return kernel(payload, bits, group_size, hadamard_size, out)
+    return reference.torch_grad_decode_sum(payload, bits, group_size, hadamard_size, out)
