@@ -1,1 +1,33 @@
-"""Triton kernels of lightning-sdp4bit, installed as `lightning_sdp4bit.kernels`."""
+"""Triton kernels of the five fused compression ops, installed as `lightning_sdp4bit.kernels`.
+
+Each public function takes the arguments of its twin `torch_<name>` in
+`lightning_sdp4bit.reference.ops` and returns the same bytes with nearest rounding (stochastic
+rounding draws its own seeded Philox noise, so it matches the reference in distribution only).
+Each is also a `torch.library` custom op (namespace `sdp4bit`) with a fake implementation, so it
+composes with torch.compile. `lightning_sdp4bit.ops` routes CUDA tensors here.
+
+| op | file | does, in one pass |
+|---|---|---|
+| `weight_update_encode` | weight_update.py | master - weights -> quantize -> payload |
+| `weight_update_apply` | weight_update.py | payload -> dequantize -> add into the weights, in place |
+| `grad_encode` | grad_encode.py | Hadamard -> quantize -> payload in destination order |
+| `grad_requantize` | grad_reduce.py | dequantize -> sum over peers -> re-quantize |
+| `grad_decode_sum` | grad_reduce.py | dequantize -> sum over peers -> inverse Hadamard -> shard |
+
+Importing this package raises ImportError where Triton is missing, so that
+`lightning_sdp4bit.ops.kernels_available()` is False there and the reference runs. On a machine
+without a GPU, the kernels run in Triton's interpreter when TRITON_INTERPRET=1 is set before
+Triton is imported (that is how CI tests them); otherwise they take CUDA tensors only.
+"""
+
+from .grad_encode import grad_encode
+from .grad_reduce import grad_decode_sum, grad_requantize
+from .weight_update import weight_update_apply, weight_update_encode
+
+__all__ = [
+    "grad_decode_sum",
+    "grad_encode",
+    "grad_requantize",
+    "weight_update_apply",
+    "weight_update_encode",
+]

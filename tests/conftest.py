@@ -1,10 +1,17 @@
 """Test-wide switches: tests marked `slow` run only with SDP4BIT_SLOW=1, tests marked `gpu` only
-where CUDA is available; each skip prints its reason (pytest -ra)."""
+where CUDA is available; each skip prints its reason (pytest -ra). Without CUDA, the Triton
+kernels (tests/test_kernels_*.py) run in Triton's CPU interpreter."""
 
 import os
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when lightning_sdp4bit.kernels is
+# first imported, which is after this file is loaded. It changes nothing else: the package's
+# dispatch sends only CUDA tensors to the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

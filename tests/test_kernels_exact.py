@@ -1,0 +1,159 @@
+"""The Triton kernels equal their reference twins bit for bit with nearest rounding.
+
+Checks, for each of the five ops (weight_update_encode / _apply, grad_encode, grad_requantize,
+grad_decode_sum), on a grid that covers bits {2, 4, 8}, group sizes 32..2048, Hadamard blocks
+{0, 32, 64, 128, 256}, fp32 and bf16 inputs, and odd sizes (group counts like 37 and 77, several
+programs with a partial last one):
+- payload bytes (codes, then scales) identical to `lightning_sdp4bit.reference.ops`;
+- in-place results (weights, gradient shard) identical, every element written;
+- exact ties round half to even, all-zero groups get scale 0 and codes 0.
+Runs on CUDA where there is a GPU, else in Triton's interpreter (tests/conftest.py), so sizes are
+small.
+"""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lightning_sdp4bit import kernels  # noqa: E402
+from lightning_sdp4bit.reference import ops as reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gradient_like(numel, seed, dtype=torch.float32):
+    """Values with a heavy tail (a few outliers per group), like gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator).pow(6) * 10
+    values[:: max(1, numel // 7)] *= 50  # outliers
+    return values.to(dtype).to(DEVICE)
+
+
+def _payload(rows, numel, bits, group_size, seed):
+    """A realistic payload [rows, row_bytes(numel)] made by the reference encoder."""
+    return reference.encode_rows(_gradient_like(rows * numel, seed).view(rows, numel), bits, group_size, "nearest", 0)
+
+
+def _bits_equal(a, b):
+    """Equal bit patterns (torch.equal would take -0.0 for 0.0 and refuse NaN == NaN)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    assert torch.equal(a.view(as_int), b.view(as_int))
+
+
+# (bits, group_size, shard numel, master dtype, weights dtype or None for qW)
+ENCODE_CASES = [
+    (4, 2048, 3 * 2048, torch.float32, torch.bfloat16),  # the paper's qWD
+    (2, 32, 37 * 32, torch.float32, torch.float32),
+    (8, 128, 77 * 128, torch.bfloat16, torch.bfloat16),  # three programs, the last partial
+    (4, 64, 129 * 64, torch.bfloat16, torch.float32),
+    (8, 512, 3 * 512, torch.float32, None),  # qW
+    (2, 2048, 2 * 2048, torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("bits, group_size, numel, master_dtype, weights_dtype", ENCODE_CASES)
+def test_weight_update_encode_matches_reference(bits, group_size, numel, master_dtype, weights_dtype):
+    master = _gradient_like(numel, 1, master_dtype)
+    weights = None
+    if weights_dtype is not None:
+        weights = (master.float() + _gradient_like(numel, 2) * 0.01).to(weights_dtype)
+    expected = reference.torch_weight_update_encode(master, weights, bits, group_size, "nearest", 0)
+    assert torch.equal(kernels.weight_update_encode(master, weights, bits, group_size, "nearest", 0), expected)
+
+
+# (bits, group_size, ranks W, shard numel S, weights dtype, additive)
+APPLY_CASES = [
+    (4, 2048, 3, 2 * 2048, torch.bfloat16, True),  # the paper's qWD
+    (2, 32, 4, 37 * 32, torch.float32, True),
+    (8, 128, 2, 77 * 128, torch.bfloat16, False),
+    (4, 64, 5, 3 * 64, torch.float32, False),
+    (8, 512, 1, 9 * 512, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("bits, group_size, ranks, numel, dtype, additive", APPLY_CASES)
+def test_weight_update_apply_matches_reference(bits, group_size, ranks, numel, dtype, additive):
+    payload = _payload(ranks, numel, bits, group_size, 3)
+    weights = _gradient_like(ranks * numel, 4, dtype)
+    expected = reference.torch_weight_update_apply(payload, weights.clone(), bits, group_size, additive)
+    out = weights.clone()
+    assert kernels.weight_update_apply(payload, out, bits, group_size, additive) is out
+    _bits_equal(out, expected)
+
+
+# (bits, group_size, hadamard_size, outer, chunks, shard numel S, grad dtype)
+GRAD_ENCODE_CASES = [
+    (8, 128, 32, 2, 4, 256, torch.float32),  # the paper's intra-node stage
+    (4, 128, 32, 1, 3, 384, torch.bfloat16),
+    (2, 32, 32, 3, 2, 96, torch.float32),
+    (8, 2048, 256, 1, 2, 2048, torch.bfloat16),
+    (4, 512, 64, 2, 1, 1536, torch.float32),
+    (2, 2048, 0, 2, 2, 4096, torch.bfloat16),
+    (8, 64, 0, 1, 5, 31 * 64, torch.float32),
+    (4, 256, 128, 2, 3, 768, torch.float32),
+    (8, 32, 32, 1, 1, 129 * 32, torch.float32),  # two programs, the last partial
+]
+
+
+@pytest.mark.parametrize("bits, group_size, hadamard_size, outer, chunks, shard, dtype", GRAD_ENCODE_CASES)
+def test_grad_encode_matches_reference(bits, group_size, hadamard_size, outer, chunks, shard, dtype):
+    grad = _gradient_like(outer * chunks * shard, 5, dtype)
+    args = (outer, chunks, hadamard_size, bits, group_size, "nearest", 0)
+    assert torch.equal(kernels.grad_encode(grad, *args), reference.torch_grad_encode(grad, *args))
+
+
+# (in_bits, out_bits, group_size, peers P, outer, shard numel S)
+REQUANTIZE_CASES = [
+    (8, 4, 128, 4, 2, 256),  # the paper's stage 2
+    (8, 2, 32, 3, 3, 96),
+    (4, 8, 2048, 2, 1, 4096),
+    (2, 4, 64, 5, 2, 7 * 64),
+    (8, 8, 512, 1, 4, 512),
+    (4, 4, 128, 3, 1, 77 * 128),
+]
+
+
+@pytest.mark.parametrize("in_bits, out_bits, group_size, peers, outer, shard", REQUANTIZE_CASES)
+def test_grad_requantize_matches_reference(in_bits, out_bits, group_size, peers, outer, shard):
+    payload = _payload(peers, outer * shard, in_bits, group_size, 6)
+    args = (in_bits, out_bits, group_size, outer, "nearest", 0)
+    assert torch.equal(kernels.grad_requantize(payload, *args), reference.torch_grad_requantize(payload, *args))
+
+
+# (bits, group_size, hadamard_size, peers P, shard numel S)
+DECODE_CASES = [
+    (4, 128, 32, 4, 3 * 256),  # the paper's stage 3
+    (8, 32, 32, 3, 37 * 32),
+    (2, 2048, 256, 2, 4096),
+    (4, 64, 0, 5, 7 * 64),
+    (8, 512, 64, 1, 3 * 512),
+    (4, 256, 128, 2, 9 * 256),
+    (2, 128, 32, 3, 77 * 128),
+]
+
+
+@pytest.mark.parametrize("bits, group_size, hadamard_size, peers, shard", DECODE_CASES)
+def test_grad_decode_sum_matches_reference(bits, group_size, hadamard_size, peers, shard):
+    payload = _payload(peers, shard, bits, group_size, 7)
+    out = torch.full((shard,), float("nan"), device=DEVICE)  # poisoned: every element must be written
+    assert kernels.grad_decode_sum(payload, bits, group_size, hadamard_size, out) is out
+    expected = reference.torch_grad_decode_sum(payload, bits, group_size, hadamard_size)
+    _bits_equal(out, expected)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_ties_round_half_to_even_and_zero_groups_stay_zero(bits):
+    qmax = 2 ** (bits - 1) - 1
+    # Group 0 has absmax qmax, so its scale is exactly 1 and k + 0.5 are exact ties; group 1 is zero.
+    group = torch.cat([torch.arange(-qmax, qmax, dtype=torch.float32) + 0.5, torch.tensor([float(qmax)])])
+    master = torch.zeros(2 * 256)
+    master[: group.numel()] = group
+    master = master.to(DEVICE)
+    payload = kernels.weight_update_encode(master, None, bits, 256, "nearest", 0)
+    assert torch.equal(payload, reference.torch_weight_update_encode(master, None, bits, 256, "nearest", 0))
+    codes_bytes = 512 * bits // 8
+    assert payload[0, codes_bytes:].view(torch.float32).tolist() == [1.0, 0.0]
+    codes = reference.unpack_codes(payload[0, :codes_bytes], bits, group.numel()).float()
+    assert torch.equal(codes.cpu(), torch.round(group))  # torch.round: half to even
