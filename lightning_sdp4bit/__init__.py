@@ -6,12 +6,15 @@
 Public API (each name is imported on first use, so `import lightning_sdp4bit` stays quick):
 - `SDP4BitConfig`: the configuration dataclass and its presets;
 - `quantize`, `dequantize`, `QuantizedTensor`: the reference group-wise quantizer;
+- `SDP4BitStrategy`: the Lightning strategy (also reachable as `strategy="sdp4bit"`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from lightning_sdp4bit._registration import install_registration_hook
 
 __version__ = "0.1.0"
 
@@ -21,6 +24,7 @@ _LAZY = {
     "QuantizedTensor": "lightning_sdp4bit.reference.quantize",
     "quantize": "lightning_sdp4bit.reference.quantize",
     "dequantize": "lightning_sdp4bit.reference.quantize",
+    "SDP4BitStrategy": "lightning_sdp4bit.strategies",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -36,3 +40,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+install_registration_hook()

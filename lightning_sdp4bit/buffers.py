@@ -1,0 +1,176 @@
+"""Flat buffers and sharding, as in Megatron's distributed optimizer. No torch.distributed here.
+
+Trainable parameters are laid out, in backward order (the reverse of registration order), in one
+contiguous buffer per dtype. Each buffer is cut into buckets of about `bucket_numel` elements (a
+parameter never spans two buckets) and each bucket is zero-padded to `world * S` elements, S
+being a multiple of the shard alignment, so that it splits into W equal shards of whole
+quantization groups. Rank r owns elements [r*S, (r+1)*S) of every bucket: its **master shard**
+(fp32) and its **gradient shard** (fp32) cover exactly that range. A **fragment** is the part of
+one parameter that falls inside one rank's shard; the optimizer steps fragments.
+
+Per bucket (N = W * S elements):
+- model weights: [N] in the module's dtype; the parameters are views into it;
+- gradient accumulator: [N] fp32, summed over micro-batches, reduce-scattered once per step;
+- master shard, gradient shard: [S] fp32 each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Bucket", "BucketLayout", "Fragment", "ParamSlot", "allocate_buckets", "layout_signature", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int  # first element in the bucket
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The elements of one parameter inside one rank's shard of a bucket."""
+
+    name: str
+    bucket: int
+    param_start: int  # first element within the flattened parameter
+    shard_start: int  # first element within the shard
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    index: int
+    dtype: torch.dtype
+    world_size: int
+    shard_numel: int  # S
+    slots: tuple[ParamSlot, ...]
+
+    @property
+    def numel(self) -> int:
+        """Padded elements, W * S."""
+        return self.world_size * self.shard_numel
+
+    @property
+    def used_numel(self) -> int:
+        """Elements that belong to parameters (the rest is padding)."""
+        return sum(slot.numel for slot in self.slots)
+
+    def shard_bounds(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def fragments(self, rank: int) -> list[Fragment]:
+        """Every parameter's overlap with `rank`'s shard, in bucket order."""
+        lo, hi = self.shard_bounds(rank)
+        out = []
+        for slot in self.slots:
+            start, end = max(lo, slot.start), min(hi, slot.start + slot.numel)
+            if start < end:
+                out.append(Fragment(slot.name, self.index, start - slot.start, start - lo, end - start))
+        return out
+
+
+def plan_buckets(
+    named_shapes: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+    world_size: int,
+    bucket_numel: int,
+    shard_alignment: int,
+) -> list[BucketLayout]:
+    """Cut parameters (given in registration order) into buckets, per dtype, in backward order.
+
+    Gradients of the last layers are ready first in backward, so they fill bucket 0, whose
+    reduce-scatter can start while the rest of backward runs.
+    """
+    buckets: list[BucketLayout] = []
+    by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape, dtype in reversed(list(named_shapes)):
+        by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
+
+    def close(dtype: torch.dtype, slots: list[ParamSlot], used: int) -> None:
+        unit = world_size * shard_alignment
+        padded = max(unit, -(-used // unit) * unit)
+        buckets.append(BucketLayout(len(buckets), dtype, world_size, padded // world_size, tuple(slots)))
+
+    for dtype, params in by_dtype.items():
+        slots: list[ParamSlot] = []
+        used = 0
+        for name, shape in params:
+            slots.append(ParamSlot(name, shape, used))
+            used += math.prod(shape)
+            if used >= bucket_numel:
+                close(dtype, slots, used)
+                slots, used = [], 0
+        if slots:
+            close(dtype, slots, used)
+    return buckets
+
+
+def layout_signature(layouts: Sequence[BucketLayout], extra: str = "") -> int:
+    """A 63-bit digest of the layout (and of `extra`, e.g. the config): ranks compare it to
+    catch different models or configs. Stable across processes, unlike hash()."""
+    text = repr([(b.dtype, b.shard_numel, [(s.name, s.shape, s.start) for s in b.slots]) for b in layouts]) + extra
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+class Bucket:
+    """The runtime tensors of one bucket on one rank (see the module docstring for shapes)."""
+
+    def __init__(self, layout: BucketLayout, rank: int, weights: Tensor, params: Sequence[nn.Parameter]):
+        self.layout = layout
+        self.rank = rank
+        self.weights = weights
+        self.params = list(params)
+        device = weights.device
+        self.grad_accumulator = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        lo, hi = layout.shard_bounds(rank)
+        self.master = weights[lo:hi].float().clone()
+        self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+
+    @property
+    def weight_shard(self) -> Tensor:
+        lo, hi = self.layout.shard_bounds(self.rank)
+        return self.weights[lo:hi]
+
+    def grad_view(self, slot: ParamSlot) -> Tensor:
+        return self.grad_accumulator[slot.start : slot.start + slot.numel].view(slot.shape)
+
+
+def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Parameter], rank: int) -> list[Bucket]:
+    """Copy the parameters into one flat weight buffer per dtype and make them views into it.
+
+    The parameters keep their identity (optimizers and user code that hold them still work);
+    only their storage moves. Padding is zero.
+    """
+    buckets: list[Bucket] = []
+    by_dtype: dict[torch.dtype, list[BucketLayout]] = {}
+    for layout in layouts:
+        by_dtype.setdefault(layout.dtype, []).append(layout)
+    for dtype, group in by_dtype.items():
+        device = params[group[0].slots[0].name].device
+        flat = torch.zeros(sum(b.numel for b in group), dtype=dtype, device=device)
+        offset = 0
+        for layout in group:
+            weights = flat[offset : offset + layout.numel]
+            offset += layout.numel
+            bucket_params = []
+            for slot in layout.slots:
+                param = params[slot.name]
+                view = weights[slot.start : slot.start + slot.numel].view(slot.shape)
+                view.copy_(param.detach())
+                param.data = view
+                bucket_params.append(param)
+            buckets.append(Bucket(layout, rank, weights, bucket_params))
+    return sorted(buckets, key=lambda bucket: bucket.layout.index)

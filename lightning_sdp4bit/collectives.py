@@ -1,0 +1,222 @@
+"""The two collectives of sharded data parallelism, each behind one small interface.
+
+- `GradReduceScatter.start(bucket, step)`: from the bucket's gradient accumulator [N] (already
+  divided by the world size) to this rank's gradient shard [S], fp32.
+- `WeightAllGather.start(bucket, step)`: from this rank's master shard [S] to the model weights
+  [N] every rank holds.
+
+`start` launches the communication asynchronously and returns a `Pending`; `Pending.progress()`
+moves a multi-stage exchange to its next stage, and `Pending.wait()` completes it. The engine
+only sees this interface, so the uncompressed and the compressed variants are interchangeable
+and each can be tested on its own. All compute goes through `lightning_sdp4bit.ops` (Triton on
+CUDA, the reference elsewhere) and all communication through `lightning_sdp4bit.comm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any, Protocol
+
+import torch
+
+from lightning_sdp4bit import comm, ops
+from lightning_sdp4bit.buffers import Bucket
+from lightning_sdp4bit.config import SDP4BitConfig
+from lightning_sdp4bit.reference.ops import stage_seed
+from lightning_sdp4bit.stats import WireMeter
+from lightning_sdp4bit.topology import ProcessGroups, Topology
+
+__all__ = [
+    "GradReduceScatter",
+    "Pending",
+    "PlainGradReduceScatter",
+    "PlainWeightAllGather",
+    "QuantizedWeightAllGather",
+    "Stage",
+    "TwoLevelGradReduceScatter",
+    "WeightAllGather",
+]
+
+
+class Stage(IntEnum):
+    """Which quantization a stochastic-rounding seed is for."""
+
+    GRAD_ENCODE = 1  # gradient stage 1: Hadamard + quantize before the first all-to-all
+    GRAD_REQUANTIZE = 2  # gradient stage 2: re-quantize between the two all-to-alls
+    WEIGHT_ENCODE = 3  # the weight difference (or weights) before the all-gather
+
+
+class Pending(Protocol):
+    def progress(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+class GradReduceScatter(Protocol):
+    def start(self, bucket: Bucket, step: int) -> Pending: ...
+
+
+class WeightAllGather(Protocol):
+    def start(self, bucket: Bucket, step: int) -> Pending: ...
+
+
+class _Single:
+    """A one-stage exchange: wait for the work, then run `finish` (if any)."""
+
+    def __init__(self, work: Any, finish: Callable[[], None] | None = None, keepalive: Any = None):
+        self._work, self._finish, self._keepalive = work, finish, keepalive
+
+    def progress(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._finish is not None:
+                self._finish()
+        self._keepalive = None
+
+
+class _Seeds:
+    """Stochastic-rounding seeds, distinct per (step, bucket, rank, stage) and reproducible."""
+
+    def __init__(self, config: SDP4BitConfig, rank: int):
+        self._base, self._rank = config.seed, rank
+
+    def __call__(self, step: int, bucket: Bucket, stage: Stage) -> int:
+        return stage_seed(self._base, step, bucket.layout.index, self._rank, int(stage))
+
+
+class PlainGradReduceScatter:
+    """fp32 reduce-scatter over all ranks: the uncompressed path."""
+
+    def __init__(self, groups: ProcessGroups, meter: WireMeter):
+        self._group, self._meter = groups.world, meter
+
+    def start(self, bucket: Bucket, step: int) -> Pending:
+        source = bucket.grad_accumulator
+        work = comm.reduce_scatter(bucket.grad_shard, source, group=self._group, async_op=True)
+        self._meter.record("grad_reduce_scatter", source.nbytes, source.numel(), source.nbytes)
+        return _Single(work)
+
+
+class TwoLevelGradReduceScatter:
+    """TLq(-HS): quantized all-to-all inside the node, then across nodes (see SDP4BIT.md).
+
+    Stage 1 (rotate + quantize to grad_intra_bits + destination layout) runs at `start` and the
+    intra-node all-to-all is launched; `progress` waits for it, runs stage 2 (dequantize + sum +
+    re-quantize to grad_inter_bits) and launches the inter-node all-to-all; `wait` runs stage 3
+    (dequantize + sum + inverse Hadamard) into the gradient shard. With one node only the intra
+    stage runs, with one rank per node only the inter stage (at grad_inter_bits).
+    """
+
+    def __init__(self, config: SDP4BitConfig, topology: Topology, groups: ProcessGroups, meter: WireMeter, rank: int):
+        if topology.world_size == 1:
+            raise ValueError("the two-level reduce-scatter needs at least two ranks")
+        self.config, self.topology, self.groups, self.meter = config, topology, groups, meter
+        self.seeds = _Seeds(config, rank)
+
+    def start(self, bucket: Bucket, step: int) -> Pending:
+        return _TwoLevelExchange(self, bucket, step)
+
+
+class _TwoLevelExchange:
+    def __init__(self, owner: TwoLevelGradReduceScatter, bucket: Bucket, step: int):
+        config, topo = owner.config, owner.topology
+        self._owner, self._bucket, self._step = owner, bucket, step
+        intra = topo.has_intra_stage
+        self._needs_second_stage = intra and topo.has_inter_stage
+        self._bits = config.grad_intra_bits if intra else config.grad_inter_bits
+        # Intra first: the bucket as [nodes, local, S] goes out by local index; inter only: by node.
+        outer, chunks = (topo.nodes, topo.ranks_per_node) if intra else (1, topo.nodes)
+        source = bucket.grad_accumulator
+        seed = owner.seeds(step, bucket, Stage.GRAD_ENCODE)
+        payload = ops.grad_encode(
+            source, outer, chunks, config.hadamard_size, self._bits, config.grad_group_size, config.rounding, seed
+        )
+        self._received = torch.empty_like(payload)
+        group = owner.groups.intra if intra else owner.groups.inter
+        self._work = comm.all_to_all(self._received, payload, group=group, async_op=True)
+        self._sent = payload  # kept alive until the exchange completes
+        kind = "grad_intra" if intra else "grad_inter"
+        owner.meter.record(kind, payload.nbytes, source.numel(), source.nbytes)
+
+    def progress(self) -> None:
+        if not self._needs_second_stage:
+            return
+        self._needs_second_stage = False
+        config, topo, owner = self._owner.config, self._owner.topology, self._owner
+        self._work.wait()
+        seed = owner.seeds(self._step, self._bucket, Stage.GRAD_REQUANTIZE)
+        payload = ops.grad_requantize(
+            self._received,
+            config.grad_intra_bits,
+            config.grad_inter_bits,
+            config.grad_group_size,
+            topo.nodes,
+            config.rounding,
+            seed,
+        )
+        # The first receive buffer is no longer needed: only the new payload and its receive
+        # buffer stay alive.
+        self._received = torch.empty_like(payload)
+        self._work = comm.all_to_all(self._received, payload, group=owner.groups.inter, async_op=True)
+        self._sent = payload
+        self._bits = config.grad_inter_bits
+        owner.meter.record("grad_inter", payload.nbytes, topo.nodes * self._bucket.layout.shard_numel, 0)
+
+    def wait(self) -> None:
+        self.progress()
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = self._sent = None
+        config = self._owner.config
+        ops.grad_decode_sum(
+            self._received, self._bits, config.grad_group_size, config.hadamard_size, self._bucket.grad_shard
+        )
+        self._received = None
+
+
+class PlainWeightAllGather:
+    """All-gather the master shards, rounded to the weights' dtype, straight into the weights."""
+
+    def __init__(self, groups: ProcessGroups, meter: WireMeter):
+        self._group, self._meter = groups.world, meter
+
+    def start(self, bucket: Bucket, step: int) -> Pending:
+        # A fresh tensor even when the dtypes match: the input must not alias the output.
+        source = bucket.master.to(bucket.weights.dtype, copy=True)
+        work = comm.all_gather(bucket.weights, source, group=self._group, async_op=True)
+        self._meter.record("weight", source.nbytes, source.numel(), source.nbytes)
+        return _Single(work, keepalive=source)
+
+
+class QuantizedWeightAllGather:
+    """qWD (additive=True) or qW (additive=False): all-gather quantized codes and scales, then
+    every rank, the sender included, dequantizes them into its weights in place."""
+
+    def __init__(self, config: SDP4BitConfig, groups: ProcessGroups, meter: WireMeter, rank: int, additive: bool):
+        self.config, self._group, self._meter, self._additive = config, groups.world, meter, additive
+        self._seeds = _Seeds(config, rank)
+
+    def start(self, bucket: Bucket, step: int) -> Pending:
+        config = self.config
+        reference = bucket.weight_shard if self._additive else None
+        seed = self._seeds(step, bucket, Stage.WEIGHT_ENCODE)
+        payload = ops.weight_update_encode(
+            bucket.master, reference, config.weight_bits, config.weight_group_size, config.rounding, seed
+        )
+        gathered = payload.new_empty((bucket.layout.world_size, payload.shape[1]))
+        work = comm.all_gather(gathered.view(-1), payload.view(-1), group=self._group, async_op=True)
+        shard = bucket.layout.shard_numel
+        self._meter.record("weight", payload.nbytes, shard, shard * bucket.weights.element_size())
+
+        def apply() -> None:
+            ops.weight_update_apply(
+                gathered, bucket.weights, config.weight_bits, config.weight_group_size, self._additive
+            )
+
+        return _Single(work, apply, keepalive=payload)

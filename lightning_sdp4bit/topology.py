@@ -1,0 +1,81 @@
+"""Where each rank sits: nodes, local indices, and the process groups of the two-level all-to-all.
+
+Ranks are numbered rank = node * L + local, with L ranks per node and M = world / L nodes, as
+torchrun and SLURM number them. The intra-node group of a rank holds its node's L ranks; its
+inter-node group holds the M ranks that share its local index. `ranks_per_node` may be smaller
+than the real node to emulate several nodes on one host ("virtual nodes").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["ProcessGroups", "Topology", "create_process_groups"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.world_size % self.ranks_per_node:
+            raise ValueError(f"ranks_per_node={self.ranks_per_node} must divide the world size {self.world_size}")
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_index(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def has_intra_stage(self) -> bool:
+        """Whether the node has peers to exchange with (more than one rank per node)."""
+        return self.ranks_per_node > 1
+
+    @property
+    def has_inter_stage(self) -> bool:
+        """Whether there is more than one node."""
+        return self.nodes > 1
+
+    def node_ranks(self, node: int) -> list[int]:
+        return [node * self.ranks_per_node + local for local in range(self.ranks_per_node)]
+
+    def local_index_ranks(self, local: int) -> list[int]:
+        return [node * self.ranks_per_node + local for node in range(self.nodes)]
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    world: Any
+    intra: Any  # this rank's node; None with one rank per node
+    inter: Any  # this rank's peers at the same local index; None with one node
+
+
+def create_process_groups(topology: Topology) -> ProcessGroups:
+    """Create the sub-groups. Collective: every rank must call it, in the same order."""
+    world = dist.group.WORLD
+    intra = inter = None
+    if topology.has_intra_stage:
+        if topology.has_inter_stage:
+            groups = [topology.node_ranks(node) for node in range(topology.nodes)]
+            intra, _ = dist.new_subgroups_by_enumeration(groups)
+        else:
+            intra = world
+    if topology.has_inter_stage:
+        if topology.has_intra_stage:
+            groups = [topology.local_index_ranks(local) for local in range(topology.ranks_per_node)]
+            inter, _ = dist.new_subgroups_by_enumeration(groups)
+        else:
+            inter = world
+    return ProcessGroups(world=world, intra=intra, inter=inter)

@@ -1,0 +1,379 @@
+"""`SDP4BitStrategy`: the Lightning adapter over `lightning_sdp4bit.engine.ShardedEngine`.
+
+It does what only Lightning can: launch processes, pick the precision, drive the engine from
+the training loop's hooks (backward sync, optimizer step, validation, end of fit) and map
+checkpoints to `lightning_sdp4bit.checkpoint`. Everything else lives below, testable without a
+Trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from lightning_sdp4bit import checkpoint as sharded_checkpoint
+from lightning_sdp4bit.config import SDP4BitConfig
+from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.stats import WireMeter
+from lightning_sdp4bit.topology import Topology, create_process_groups
+
+__all__ = ["SUPPORTED_PRECISIONS", "SDP4BitStrategy"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_PRECISIONS = ("bf16-true", "32-true", "bf16-mixed", "16-true")
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_SHARDED_KEY = "sdp4bit_checkpoint_dir"  # marks a checkpoint dict loaded from a sharded directory
+
+
+class SDP4BitStrategy(ParallelStrategy):
+    """Sharded data parallelism that communicates in ~4 bits (SDP4Bit, NeurIPS 2024).
+
+    Every rank keeps the full weights in the module's dtype; each rank keeps fp32 master weights
+    and optimizer state for its 1/world slice only. Gradients are reduce-scattered (by default
+    with TLq-HS: int8 inside a node, int4 across nodes, after a Hadamard rotation) and updated
+    weights all-gathered (by default with qWD: 4-bit weight differences).
+
+    Args:
+        config: an `SDP4BitConfig`, a dict of its fields (optionally with "preset"), or the path
+            of a YAML file. Defaults to the paper's settings.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as for Lightning's DDPStrategy.
+    """
+
+    strategy_name = "sdp4bit"
+
+    def __init__(
+        self,
+        config: SDP4BitConfig | dict[str, Any] | str | os.PathLike | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.config = SDP4BitConfig.coerce(config)
+        if start_method not in _START_METHODS:
+            allowed = ", ".join(map(repr, _START_METHODS))
+            raise ValueError(f"start_method must be one of {allowed}, got {start_method!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.engine: ShardedEngine | None = None
+        self.meter = WireMeter()
+        self.comm_stats: dict[str, float] = {}
+        """The last optimizer step's communication figures (see lightning_sdp4bit.stats)."""
+
+    # ----------------------------------------------------------------------------------------
+    # What Lightning asks of a parallel strategy
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects the DistributedSampler and honours sync_dist only when this is True.
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return ParallelStrategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning sets the plugin while building the Trainer, before any process is spawned.
+        precision = getattr(plugin, "precision", None)
+        if plugin is not None and precision not in SUPPORTED_PRECISIONS:
+            reason = (
+                ": its GradScaler skips steps on each rank's own overflow check, so the ranks' sharded "
+                "optimizer states would diverge"
+                if precision == "16-mixed"
+                else ""
+            )
+            raise ValueError(
+                f"precision={precision!r} is not supported by the sdp4bit strategy{reason}. "
+                f"Use one of {', '.join(map(repr, SUPPORTED_PRECISIONS))} ('bf16-true' is the paper's setting)."
+            )
+        self._precision_plugin = plugin
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # The engine (and its layout) must exist before a sharded checkpoint can be restored.
+        return True
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Topology errors must surface here, while the Trainer is built, not in the workers.
+        self.config.resolve_ranks_per_node(self.num_nodes * self.num_processes, self.num_processes)
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            ranks_per_node = self.config.resolve_ranks_per_node(self.world_size, self.num_processes)
+            topology = Topology(self.global_rank, self.world_size, ranks_per_node)
+            self.engine = ShardedEngine(self.model, self.config, topology, create_process_groups(topology), self.meter)
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                self.engine.shard_optimizer(optimizer)
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if self.engine is not None:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            # Stock clip-by-norm would take each rank's local shard norm: clip the global norm.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            if self.config.log_comm_stats and not any(isinstance(c, CommStatsLogger) for c in trainer.callbacks):
+                trainer.callbacks.append(CommStatsLogger())
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        assert self.engine is not None
+        self.engine.clip_grad_norm(float(clip_val))
+
+    # ----------------------------------------------------------------------------------------
+    # The training loop
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation: accumulate, send nothing."""
+        if self.engine is None:
+            yield
+            return
+        self.engine.grad_sync_enabled = False
+        try:
+            yield
+        finally:
+            self.engine.grad_sync_enabled = True
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is not None:
+            self.engine.check_weights_were_waited()
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is not None and self.engine.grad_sync_enabled:
+            self.engine.finish_grad_sync()
+
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None:
+            self.comm_stats = self.engine.start_weight_sync()
+        return output
+
+    def _wait_weights(self) -> None:
+        if self.engine is not None:
+            self.engine.wait_weights()
+
+    def on_validation_start(self) -> None:
+        self._wait_weights()
+
+    def on_test_start(self) -> None:
+        self._wait_weights()
+
+    def on_predict_start(self) -> None:
+        self._wait_weights()
+
+    def on_train_end(self) -> None:
+        self._wait_weights()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        super().teardown()
+
+    # ----------------------------------------------------------------------------------------
+    # Collectives for users (self.log(sync_dist=True), self.all_gather, ...)
+
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._wait_weights()
+        return super().lightning_module_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint directory at `filepath` (see lightning_sdp4bit.checkpoint)."""
+        if storage_options is not None:
+            raise TypeError("the sdp4bit strategy writes sharded directories and takes no storage_options")
+        if self.engine is None:
+            # E.g. the spawn launcher's main process after fit: it holds the final weights only.
+            rank_zero_warn(
+                "sdp4bit: no sharded training state in this process (outside fit, or in the spawn launcher's "
+                "main process after fit); writing an ordinary checkpoint of the module's weights without "
+                "optimizer shards. Save inside fit (ModelCheckpoint) for a resumable checkpoint."
+            )
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+            return
+        self._wait_weights()
+        optimizers = [_unwrap(opt) for opt in self.optimizers]
+        sharded_checkpoint.save_sharded(self.engine, optimizers, checkpoint, filepath, self.barrier)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        meta = sharded_checkpoint.read_meta(checkpoint_path)
+        # The heavy tensors stay on disk until load_model_state_dict / load_optimizer_state_dict.
+        return {
+            **meta["lightning"],
+            "state_dict": meta["untrained_state"],
+            "optimizer_states": [],
+            _SHARDED_KEY: str(checkpoint_path),
+        }
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if _SHARDED_KEY in checkpoint:
+            path = checkpoint[_SHARDED_KEY]
+            module.load_state_dict(checkpoint["state_dict"], strict=False)
+            if self.engine is not None:
+                # Fitting: the optimizers exist already (restore_checkpoint_after_setup), so their
+                # shards are restored in the same pass; load_optimizer_state_dict has nothing left.
+                optimizers = [_unwrap(opt) for opt in self.optimizers]
+                sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+            else:
+                full = sharded_checkpoint.read_full_state(path)
+                module.load_state_dict({**checkpoint["state_dict"], **full["weights"]}, strict=strict)
+            return
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if self.engine is not None:
+            full = sharded_checkpoint.full_state_from_lightning(checkpoint, self.engine.optimizer_param_names)
+            sharded_checkpoint.load_full_state(self.engine, None, full)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.engine is None or _SHARDED_KEY in checkpoint:
+            return
+        optimizers = [_unwrap(opt) for opt in self.optimizers]
+        full = sharded_checkpoint.full_state_from_lightning(checkpoint, self.engine.optimizer_param_names)
+        sharded_checkpoint.load_full_state(self.engine, optimizers, full)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

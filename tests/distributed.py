@@ -1,0 +1,70 @@
+"""Run a function on several CPU processes joined by gloo, and bring their results back.
+
+    results = run_workers(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable
+
+`fn` must be a module-level function (processes are spawned). A worker's exception is re-raised
+in the test with its traceback. Each call pays process start-up (~2 s on 2 cores), so tests put
+several checks into one call.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+WORKER_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Tensors cross the queue as bytes: a pickled tensor would point into this process's
+        # shared memory, which is gone once the worker exits.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue)) for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=WORKER_TIMEOUT_S)
+            if not ok:
+                raise RuntimeError(f"worker {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return [results[rank] for rank in range(world_size)]
