@@ -14,10 +14,8 @@ def _python(code, cwd):
 
 
 def test_subpackages_are_the_top_level_folders(tmp_path):
-    result = _python(
-        "import lightning_sdp4bit.strategies as s, lightning_sdp4bit.kernels as k; print(s.__file__); print(k.__file__)",
-        tmp_path,
-    )
+    code = "import lightning_sdp4bit.strategies as s, lightning_sdp4bit.kernels as k; print(s.__file__, k.__file__)"
+    result = _python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     strategies, kernels = result.stdout.split()
     assert Path(strategies).parent == REPO / "strategies" or "site-packages" in strategies
