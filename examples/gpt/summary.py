@@ -69,9 +69,12 @@ class RunSummary(L.Callback):
             "final_val_ppl": float(trainer.callback_metrics.get("val/ppl", math.nan)),
             "wire_bytes": wire,
             "uncompressed_bytes": uncompressed,
-            "weight_bits_per_element": stats["weight_bits_per_element"],
-            "grad_intra_bits_per_element": stats["grad_intra_bits_per_element"],
-            "grad_inter_bits_per_element": stats["grad_inter_bits_per_element"],
+            # bits per element of each collective that ran, e.g. {"weight": 4.016, "grad_inter": 4.25}
+            "bits_per_element": {
+                key.removesuffix("_bits_per_element"): value
+                for key, value in stats.items()
+                if key.endswith("_bits_per_element") and value
+            },
         }
         log_dir = trainer.log_dir  # a collective: every process must ask
         if trainer.is_global_zero:
@@ -104,8 +107,7 @@ def format_summary(s: dict) -> str:
             f"val loss     {s['final_val_loss']:.4f} (perplexity {s['final_val_ppl']:.2f}, final weights)",
             f"on the wire  {human_bytes(s['wire_bytes'])} sent by all processes, against "
             f"{human_bytes(s['uncompressed_bytes'])} uncompressed: {human_bytes(saved)} saved ({ratio:.2f}x less)",
-            f"bits/element weights {s['weight_bits_per_element']:.3f}, gradients "
-            f"{s['grad_intra_bits_per_element']:.3f} intra-node / {s['grad_inter_bits_per_element']:.3f} inter-node",
+            "bits/element " + ", ".join(f"{kind} {bits:.3f}" for kind, bits in s["bits_per_element"].items()),
         ]
     )
 
