@@ -128,6 +128,17 @@ def machine() -> str:
     return f"CPU ({cpu}, {os.cpu_count()} cores)"
 
 
+def code_version() -> str:
+    """The commit the study ran from, flagged when the tree had uncommitted changes."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit.stdout.strip() + (" with uncommitted changes" if dirty.strip() else "")
+
+
 def pct(value: float, reference: float) -> str:
     return f"{100 * (value - reference) / reference:+.2f}%"
 
@@ -189,7 +200,8 @@ def report(results: Path, seeds: int, settings: list[str], command: str, out: Pa
         f"that round stochastically run with {seeds} rounding seed(s); the table gives their mean.",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.date.today().isoformat()}; machine: {machine()}; torch {torch.__version__}",
+        f"- date: {datetime.date.today().isoformat()}; machine: {machine()}; torch {torch.__version__}; "
+        f"code: {code_version()}",
         f"- settings on top of examples/configs/gpt.yaml: `{' '.join(COMMON + settings)}`",
         f"- data: the embedded corpus (CPython {platform.python_version()}'s documentation topics, bytes)",
         f"- tokens per run: {first['train_tokens']:,} over {first['steps']} optimizer steps",
