@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/quantization_error.py
+	$(BIN)/python examples/train_gpt.py trainer.accelerator=cpu trainer.devices=2 sdp4bit.ranks_per_node=1
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
