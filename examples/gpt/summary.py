@@ -16,7 +16,7 @@ from collections import deque
 import lightning as L
 import torch
 
-LOSS_WINDOW = 20  # the "final" training loss is the mean of the last 20 steps: one step is noisy
+LOSS_WINDOW = 20  # the "final" training loss is the mean of the last 20 batches: one is noisy
 
 
 class RunSummary(L.Callback):
@@ -37,7 +37,8 @@ class RunSummary(L.Callback):
         self.validation_seconds += time.perf_counter() - self.validation_start
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.recent_losses.append(float(outputs["loss"]))
+        # what training_step logged: outputs["loss"] is divided by accumulate_grad_batches
+        self.recent_losses.append(float(trainer.callback_metrics["train/loss"]))
         self.tokens += batch[0].numel()
         # Ask Lightning to stop after the last step: it validates once more before stopping, so
         # the final validation loss is always measured on the final weights.
@@ -103,7 +104,7 @@ def format_summary(s: dict) -> str:
             f"\n=== summary: {s['steps']} steps on {s['processes']} processes ===",
             f"throughput   {s['tokens_per_second']:,.0f} tokens/s ({s['train_tokens']:,} training tokens "
             f"in {s['train_seconds']:.1f} s, validation excluded)",
-            f"train loss   {s['final_train_loss']:.4f} (mean of the last {LOSS_WINDOW} steps, all processes)",
+            f"train loss   {s['final_train_loss']:.4f} (mean of the last {LOSS_WINDOW} batches, all processes)",
             f"val loss     {s['final_val_loss']:.4f} (perplexity {s['final_val_ppl']:.2f}, final weights)",
             f"on the wire  {human_bytes(s['wire_bytes'])} sent by all processes, against "
             f"{human_bytes(s['uncompressed_bytes'])} uncompressed: {human_bytes(saved)} saved ({ratio:.2f}x less)",
