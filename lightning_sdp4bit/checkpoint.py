@@ -141,7 +141,9 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The small meta.pt of a sharded checkpoint (no tensors of the model's size)."""
+    path = Path(path)
     meta = torch.load(path / META, map_location="cpu", weights_only=False)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a lightning-sdp4bit sharded checkpoint (format {meta.get('format')!r})")

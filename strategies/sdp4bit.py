@@ -197,6 +197,7 @@ class SDP4BitStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self.engine = None
         if trainer.state.fn == TrainerFn.FITTING:
             ranks_per_node = self.config.resolve_ranks_per_node(self.world_size, self.num_processes)
             topology = Topology(self.global_rank, self.world_size, ranks_per_node)
@@ -274,9 +275,10 @@ class SDP4BitStrategy(ParallelStrategy):
         self._wait_weights()
 
     def teardown(self) -> None:
+        # The engine stays (closed: no hooks, nothing in flight) so that trainer.save_checkpoint
+        # after fit still finds the master shards; the next fit builds a new one.
         if self.engine is not None:
             self.engine.close()
-            self.engine = None
         super().teardown()
 
     # ----------------------------------------------------------------------------------------
