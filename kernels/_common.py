@@ -32,7 +32,7 @@ except ImportError as error:  # lightning_sdp4bit.ops.kernels_available() turns 
 import torch
 from torch import Tensor
 
-from lightning_sdp4bit.config import Rounding, coerce_enum
+from lightning_sdp4bit.config import Rounding
 from lightning_sdp4bit.reference.hadamard import hadamard_scale
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
@@ -45,7 +45,7 @@ __all__ = [
     "check_tensor",
     "hadamard_rows",
     "hadamard_constants",
-    "interpreting",
+    "INTERPRETING",
     "load_per_row",
     "load_rows",
     "pack_rows",
@@ -68,9 +68,10 @@ whole word of codes at every width (32 / bits <= 16 codes). Hadamard blocks abov
 (so 64-blocks stay in registers; 128 and 256 cross lanes for their last stages: 128 fp32 per
 thread would spill)."""
 
-NUM_WARPS = 4
-"""Warps per program: 128 threads own R = 128 thread rows, 4096 elements (16 KiB of fp32). Small
-programs keep many in flight per SM, which is what hides HBM latency in a streaming kernel."""
+NUM_WARPS = 2
+"""Warps per program: 64 threads own R = 64 thread rows, 2048 elements (8 KiB of fp32). On the
+H200, 2 warps beat 4 and 8 for every op (up to +20% for grad_encode): small programs keep more
+independent work per SM, which hides HBM latency in a streaming kernel."""
 
 MIN_GROUP_SIZE = 32
 """Smaller groups would put less than one 32-bit word of 2-bit codes in a group; 32 is also the
@@ -100,9 +101,9 @@ class LaunchConfig:
 # Argument checks: each raises a ValueError that names the offending parameter.
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, as CI does)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Whether Triton runs the kernels in its CPU interpreter, as CI does. Triton reads the variable
+when a kernel is defined, i.e. when this package is imported, so this reads it then too."""
 
 
 def check_tensor(name: str, tensor: Tensor, dtypes: tuple[torch.dtype, ...], ndim: int) -> None:
@@ -113,7 +114,7 @@ def check_tensor(name: str, tensor: Tensor, dtypes: tuple[torch.dtype, ...], ndi
         raise ValueError(f"{name} must have dtype {allowed}, got {str(tensor.dtype).removeprefix('torch.')}")
     if tensor.dim() != ndim or not tensor.is_contiguous():
         raise ValueError(f"{name} must be a contiguous {ndim}-D tensor, got shape {tuple(tensor.shape)}")
-    if not (tensor.is_cuda or interpreting()):
+    if not (tensor.is_cuda or INTERPRETING):
         raise ValueError(f"{name} must be a CUDA tensor (or run with TRITON_INTERPRET=1), got {tensor.device}")
 
 
@@ -138,8 +139,12 @@ def check_group_and_hadamard(group_size: int, hadamard_size: int = 0) -> None:
 
 
 def check_rounding(rounding: Rounding | str) -> bool:
-    """True for stochastic rounding."""
-    return coerce_enum("rounding", rounding, Rounding) is Rounding.STOCHASTIC
+    """True for stochastic rounding. (Not config.coerce_enum: torch.compile in torch 2.11 cannot
+    trace iterating over an Enum class.)"""
+    value = rounding.value if isinstance(rounding, Rounding) else rounding
+    if value not in (Rounding.STOCHASTIC.value, Rounding.NEAREST.value):
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    return value == Rounding.STOCHASTIC.value
 
 
 def check_seed(seed: int) -> None:
@@ -221,16 +226,43 @@ def round_to_bf16(x):
 
 @triton.jit
 def _uniform_rows(seed, row_first, R: tl.constexpr, T: tl.constexpr):
-    """U[0, 1) fp32 noise [R, T] for the elements with flat indices row_first[r] + t.
+    """U(0, 1) fp32 noise [R, T] for the elements with flat indices row_first[r] + t.
 
-    One Philox4x32-10 call (tl.randint4x) yields 4 draws, so it runs once per 4 elements, keyed by
-    the element's index // 4: reproducible from (seed, index) whatever the tiling. The top 24
-    bits of a draw make an exact fp32 in [0, 1), like torch.rand.
+    One Philox4x32-10 call (tl.randint4x) yields 128 random bits; split into 16-bit halves they
+    serve 8 elements, keyed by the element's index // 8, so the noise is reproducible from
+    (seed, index) whatever the tiling. u = (k + 0.5) / 2^16 for a uniform 16-bit k: E[u] = 1/2
+    exactly, and floor(v + u) is biased by at most 2^-17 of a quantization step, less than fp32
+    rounds v + u for |v| >= 1. (24-bit draws, one call per 4 elements, cost 1.5x the
+    instructions, in kernels whose issue rate is what limits them.)
     """
-    quads = (row_first // 4).to(tl.int32)[:, None] + tl.arange(0, T // 4)[None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, quads)
-    draws = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [R, T])
-    return (draws >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    octets = (row_first // 8).to(tl.int32)[:, None] + tl.arange(0, T // 8)[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, octets)
+    pairs = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [R, T // 8, 2, 2]
+    halves = tl.reshape(tl.join(pairs & 0xFFFF, pairs >> 16), [R, T])
+    return (halves.to(tl.float32) + 0.5) * (1.0 / 65536.0)
+
+
+@triton.jit
+def _divide(x, divisor):
+    """x [G, GROUP] / divisor [G], correctly rounded (IEEE) like torch's division.
+
+    tl.math.div_rn costs ~10 instructions and a branch per element. With y = RN(1/divisor),
+    computed once per group, q = x * y and two Newton steps q += (x - divisor * q) * y (two FMAs
+    each) give RN(x / divisor): after the first step q is within an ulp of the quotient, and
+    then, by Markstein's theorem, the residual is exact and the second step rounds correctly. The
+    residuals stay normal, as the theorem needs, while 2^-60 <= divisor <= 2^60 (|x| <= 128 *
+    divisor here); a tile with a group outside that range takes div_rn instead.
+    """
+    d = divisor[:, None]
+    normal = (divisor >= 8.673617379884035e-19) & (divisor <= 1.152921504606847e18)
+    if tl.min(normal.to(tl.int32), axis=0) == 1:
+        y = tl.math.div_rn(1.0, divisor)[:, None]
+        q = x * y
+        q = tl.fma(tl.fma(-d, q, x), y, q)
+        q = tl.fma(tl.fma(-d, q, x), y, q)
+    else:
+        q = tl.math.div_rn(x, d)
+    return q
 
 
 @triton.jit
@@ -260,12 +292,12 @@ def quantize_rows(
     safe = tl.where(scales > 0, scales, 1.0)
     if STOCHASTIC:
         # Its noise differs from the reference's anyway (only its statistics are specified), so
-        # the IEEE division (~10 instructions) becomes a multiplication by the group's reciprocal
-        # (1 instruction, within 1 ulp): that pays for the Philox draws.
+        # the exact division becomes a multiplication by the group's reciprocal (1 instruction
+        # instead of 5, within an ulp): that pays for part of the Philox draws.
         v = groups * tl.math.div_rn(1.0, safe)[:, None]
         v = tl.floor(v + tl.reshape(_uniform_rows(seed, row_first, R, T), [R * T // GROUP, GROUP]))
     else:
-        v = tl.math.div_rn(groups, safe[:, None])
+        v = _divide(groups, safe)
         v = (v + 12582912.0) - 12582912.0  # round half to even: 1.5 * 2^23 leaves no fraction bits
     codes = tl.minimum(tl.maximum(v, -QMAX), QMAX).to(tl.int32)
     return tl.reshape(codes, [R, T]), scales

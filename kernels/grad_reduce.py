@@ -44,6 +44,15 @@ __all__ = ["grad_decode_sum", "grad_requantize"]
 
 
 @triton.jit
+def _dequantize_rows(
+    words_ptr, scales_ptr, row, word_at, scale_at, live, BITS: tl.constexpr, T: tl.constexpr, R: tl.constexpr
+):
+    """fp32 [R, T]: thread rows of payload row `row` (a word offset), code * scale."""
+    codes = unpack_rows(load_rows(words_ptr, row + word_at, live, R, T * BITS // 32), R, T, BITS)
+    return codes * load_per_row(scales_ptr, row + scale_at, live, R)
+
+
+@triton.jit
 def _sum_rows(
     words_ptr,
     scales_ptr,
@@ -58,17 +67,21 @@ def _sum_rows(
     R: tl.constexpr,
 ):
     """fp32 [R, T]: thread rows `rows` of the P payload rows, dequantized and summed in row order."""
-    TW: tl.constexpr = T * BITS // 32
-    word_at = rows.to(tl.int64) * TW
+    word_at = rows.to(tl.int64) * (T * BITS // 32)
     scale_at = code_words + rows // (GROUP // T)
-    total = unpack_rows(load_rows(words_ptr, word_at, live, R, TW), R, T, BITS)
-    total = total * load_per_row(scales_ptr, scale_at, live, R)
     row_words = row_words.to(tl.int64)
-    for peer in range(1, peers):
-        row = peer * row_words
-        codes = unpack_rows(load_rows(words_ptr, row + word_at, live, R, TW), R, T, BITS)
-        # code * scale, then a separate add (the launch disables FMA contraction), like PyTorch.
-        total += codes * load_per_row(scales_ptr, row + scale_at, live, R)
+    total = _dequantize_rows(words_ptr, scales_ptr, 0, word_at, scale_at, live, BITS, T, R)
+    # Two peers per iteration: both rows' loads are issued before either is added, which doubles
+    # the bytes each warp has in flight (the loop waits on memory, not on arithmetic). The adds
+    # stay in peer order; each is code * scale, then a separate add (the launch disables FMA
+    # contraction), like PyTorch.
+    for peer in range(1, peers - 1, 2):
+        first = _dequantize_rows(words_ptr, scales_ptr, peer * row_words, word_at, scale_at, live, BITS, T, R)
+        second = _dequantize_rows(words_ptr, scales_ptr, (peer + 1) * row_words, word_at, scale_at, live, BITS, T, R)
+        total += first
+        total += second
+    if peers % 2 == 0:
+        total += _dequantize_rows(words_ptr, scales_ptr, (peers - 1) * row_words, word_at, scale_at, live, BITS, T, R)
     return total
 
 

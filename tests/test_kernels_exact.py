@@ -35,6 +35,14 @@ def _payload(rows, numel, bits, group_size, seed):
     return reference.encode_rows(_gradient_like(rows * numel, seed).view(rows, numel), bits, group_size, "nearest", 0)
 
 
+def _spec(op, *args):
+    """The reference op run on the CPU: the executable spec. On CUDA tensors PyTorch divides by a
+    Python number (the reference's `absmax / qmax`) by multiplying with its rounded reciprocal,
+    which is not always the IEEE quotient; the kernels compute the IEEE quotient."""
+    result = op(*(arg.cpu() if isinstance(arg, torch.Tensor) else arg for arg in args))
+    return result.to(DEVICE)
+
+
 def _bits_equal(a, b):
     """Equal bit patterns (torch.equal would take -0.0 for 0.0 and refuse NaN == NaN)."""
     assert a.dtype == b.dtype and a.shape == b.shape
@@ -59,7 +67,7 @@ def test_weight_update_encode_matches_reference(bits, group_size, numel, master_
     weights = None
     if weights_dtype is not None:
         weights = (master.float() + _gradient_like(numel, 2) * 0.01).to(weights_dtype)
-    expected = reference.torch_weight_update_encode(master, weights, bits, group_size, "nearest", 0)
+    expected = _spec(reference.torch_weight_update_encode, master, weights, bits, group_size, "nearest", 0)
     assert torch.equal(kernels.weight_update_encode(master, weights, bits, group_size, "nearest", 0), expected)
 
 
@@ -77,7 +85,7 @@ APPLY_CASES = [
 def test_weight_update_apply_matches_reference(bits, group_size, ranks, numel, dtype, additive):
     payload = _payload(ranks, numel, bits, group_size, 3)
     weights = _gradient_like(ranks * numel, 4, dtype)
-    expected = reference.torch_weight_update_apply(payload, weights.clone(), bits, group_size, additive)
+    expected = _spec(reference.torch_weight_update_apply, payload, weights.clone(), bits, group_size, additive)
     out = weights.clone()
     assert kernels.weight_update_apply(payload, out, bits, group_size, additive) is out
     _bits_equal(out, expected)
@@ -101,7 +109,7 @@ GRAD_ENCODE_CASES = [
 def test_grad_encode_matches_reference(bits, group_size, hadamard_size, outer, chunks, shard, dtype):
     grad = _gradient_like(outer * chunks * shard, 5, dtype)
     args = (outer, chunks, hadamard_size, bits, group_size, "nearest", 0)
-    assert torch.equal(kernels.grad_encode(grad, *args), reference.torch_grad_encode(grad, *args))
+    assert torch.equal(kernels.grad_encode(grad, *args), _spec(reference.torch_grad_encode, grad, *args))
 
 
 # (in_bits, out_bits, group_size, peers P, outer, shard numel S)
@@ -119,7 +127,8 @@ REQUANTIZE_CASES = [
 def test_grad_requantize_matches_reference(in_bits, out_bits, group_size, peers, outer, shard):
     payload = _payload(peers, outer * shard, in_bits, group_size, 6)
     args = (in_bits, out_bits, group_size, outer, "nearest", 0)
-    assert torch.equal(kernels.grad_requantize(payload, *args), reference.torch_grad_requantize(payload, *args))
+    expected = _spec(reference.torch_grad_requantize, payload, *args)
+    assert torch.equal(kernels.grad_requantize(payload, *args), expected)
 
 
 # (bits, group_size, hadamard_size, peers P, shard numel S)
@@ -139,7 +148,7 @@ def test_grad_decode_sum_matches_reference(bits, group_size, hadamard_size, peer
     payload = _payload(peers, shard, bits, group_size, 7)
     out = torch.full((shard,), float("nan"), device=DEVICE)  # poisoned: every element must be written
     assert kernels.grad_decode_sum(payload, bits, group_size, hadamard_size, out) is out
-    expected = reference.torch_grad_decode_sum(payload, bits, group_size, hadamard_size)
+    expected = _spec(reference.torch_grad_decode_sum, payload, bits, group_size, hadamard_size)
     _bits_equal(out, expected)
 
 
@@ -152,8 +161,30 @@ def test_ties_round_half_to_even_and_zero_groups_stay_zero(bits):
     master[: group.numel()] = group
     master = master.to(DEVICE)
     payload = kernels.weight_update_encode(master, None, bits, 256, "nearest", 0)
-    assert torch.equal(payload, reference.torch_weight_update_encode(master, None, bits, 256, "nearest", 0))
+    assert torch.equal(payload, _spec(reference.torch_weight_update_encode, master, None, bits, 256, "nearest", 0))
     codes_bytes = 512 * bits // 8
     assert payload[0, codes_bytes:].view(torch.float32).tolist() == [1.0, 0.0]
     codes = reference.unpack_codes(payload[0, :codes_bytes], bits, group.numel()).float()
     assert torch.equal(codes.cpu(), torch.round(group))  # torch.round: half to even
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_division_is_ieee_near_ties_and_at_extreme_scales(bits):
+    """Codes are round(RN(x / scale)): values within a few ulps of k + 1/2 steps, at scales from
+    2^-100 to 2^100 (outside 2^-60..2^60 the kernels take their slow, div_rn path)."""
+    qmax = 2 ** (bits - 1) - 1
+    generator = torch.Generator().manual_seed(bits)
+    groups, group_size = 64, 128
+    steps = torch.rand(groups, generator=generator) + 1
+    steps *= 2.0 ** torch.randint(-20, 21, (groups,), generator=generator).float()
+    steps[:2] *= torch.tensor([2.0**-80, 2.0**80])  # two extreme scales
+    levels = torch.randint(-qmax, qmax, (groups, group_size), generator=generator).float() + 0.5
+    x = levels * steps[:, None]
+    nudge = torch.randint(-3, 4, x.shape, generator=generator, dtype=torch.int32)
+    x = (x.view(torch.int32) + nudge).view(torch.float32)  # a few ulps off the exact ties
+    x[:, 0] = qmax * steps  # each group's absmax: its scale is steps (up to rounding)
+    master = x.view(-1).to(DEVICE)
+    payload = kernels.weight_update_encode(master, None, bits, group_size, "nearest", 0)
+    assert torch.equal(
+        payload, _spec(reference.torch_weight_update_encode, master, None, bits, group_size, "nearest", 0)
+    )
