@@ -13,7 +13,6 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from .model import GPT, GPTConfig
@@ -48,8 +47,7 @@ class GPTModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.gpt = GPT(GPTConfig(**model))
-        self.val_loss = MeanMetric()  # token-weighted, summed over processes when computed
-        self.val_ppl = Perplexity()
+        self.val_ppl = Perplexity()  # exp(mean cross-entropy over every validation token)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)
@@ -64,14 +62,21 @@ class GPTModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)  # this process's loss; cheap every step
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # Precision "bf16-true" casts every floating tensor of the module to bf16, metric states
+        # included, and a bf16 sum over thousands of tokens is off by percents: sum in fp64.
+        self.val_ppl.set_dtype(torch.float64)
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch
-        logits = self(inputs)
-        self.val_loss.update(self._loss(logits, targets), weight=targets.numel())
-        self.val_ppl.update(logits.float(), targets)
-        # logging the metric objects: torchmetrics syncs them over processes, so all ranks agree
-        self.log("val/loss", self.val_loss, prog_bar=True)
-        self.log("val/ppl", self.val_ppl)
+        self.val_ppl.update(self(inputs).float(), targets)  # sums -log p(target) and counts tokens
+
+    def on_validation_epoch_end(self) -> None:
+        # compute() sums the states of all processes, so every rank logs the same value
+        ppl = self.val_ppl.compute()
+        self.val_ppl.reset()
+        self.log("val/loss", ppl.log().float(), prog_bar=True)  # mean cross-entropy per token
+        self.log("val/ppl", ppl.float())
 
     def configure_optimizers(self):
         o = self.hparams.optim
