@@ -78,8 +78,9 @@ SMOKE = [
 
 
 def runs(seeds: int) -> list[tuple[str, str, int]]:
-    """(run name, preset, rounding seed) of every run. The baseline rounds nothing: one run."""
-    return [(f"{p}_seed{k}", p, k) for p in PRESETS for k in range(1 if p == "baseline" else seeds)]
+    """(run name, preset, rounding seed) of every run, every preset's seed 0 first (so a study cut
+    short still has a full table with --seeds 1). The baseline rounds nothing: one run."""
+    return [(f"{p}_seed{k}", p, k) for k in range(seeds) for p in PRESETS if k == 0 or p != "baseline"]
 
 
 def run_dir(results: Path, name: str) -> Path:
