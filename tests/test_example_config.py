@@ -8,7 +8,7 @@ Checks:
 - every kind of mistake raises a ConfigError whose message starts with the offending key: unknown
   keys and sections, bad types, a key missing from a user's YAML file, a malformed override,
   out-of-range values, n_embd not divisible by n_head, bad sdp4bit fields or values, a node size
-  that does not divide the number of processes.
+  that does not divide the number of processes, a YAML file that does not parse.
 """
 
 import sys
@@ -96,3 +96,10 @@ def test_node_size_must_divide_the_processes():
     check_world(load_config(["sdp4bit.ranks_per_node=2"]), world_size=4)
     with pytest.raises(ConfigError, match=r"^sdp4bit\.ranks_per_node: .*must divide the world size 4"):
         check_world(load_config(["sdp4bit.ranks_per_node=3"]), world_size=4)
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"^--config: .*broken\.yaml' is not valid YAML"):
+        load_config([], path)

@@ -8,11 +8,13 @@ Checks:
 - errors that name the setting: missing, empty or odd-sized files, empty directories, a corpus
   shorter than two windows, a validation fraction that leaves a split too short, a vocabulary too
   small for the ids;
-- windows: targets are the inputs shifted by one, int64, the split is train-then-val;
+- windows: targets are the inputs shifted by one, int64, the split is train-then-val, and a
+  memory-mapped corpus pickles (for start_method=spawn) as its file name, not its bytes;
 - with a DistributedSampler (what Lightning injects), processes get disjoint windows, in an order
   fixed by the seed.
 """
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from torch.utils.data import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from gpt.config import ConfigError  # noqa: E402
-from gpt.data import TokenDataModule, TokenWindows, embedded_corpus, load_tokens, split, vocab_size_of  # noqa: E402
+from gpt.data import TokenDataModule, TokenWindows, embedded_corpus, load_tokens, val_start, vocab_size_of  # noqa: E402
 
 
 def test_embedded_corpus_is_deterministic_bytes():
@@ -106,28 +108,37 @@ def test_directory_of_empty_files_is_an_error(tmp_path):
 def test_corpus_shorter_than_two_windows_is_an_error():
     tokens = np.arange(100, dtype=np.uint8)
     with pytest.raises(ConfigError, match=r"^data\.path: the corpus has 100 tokens.*block_size \+ 1 = 65"):
-        split(tokens, 0.5, block_size=64)
+        val_start(len(tokens), 0.5, block_size=64)
 
 
 def test_val_fraction_leaving_a_short_split_is_an_error():
     tokens = np.zeros(1000, dtype=np.uint8)
     with pytest.raises(ConfigError, match=r"^data\.val_fraction: 0.01 leaves 10 tokens for validation"):
-        split(tokens, 0.01, block_size=64)
+        val_start(len(tokens), 0.01, block_size=64)
 
 
 def test_windows_are_shifted_pairs_and_the_split_is_ordered():
-    tokens = np.arange(1000, dtype=np.uint16)
-    train, val = split(tokens, 0.1, block_size=8)
-    assert len(train) == 900 and val[0] == 900  # validation is the end of the corpus
-    windows = TokenWindows(train, block_size=8)
-    assert len(windows) == (900 - 1) // 8
-    x, y = windows[3]
+    data = TokenDataModule(np.arange(1000, dtype=np.uint16), block_size=8, batch_size=4, val_fraction=0.1)
+    train, val = data.train_set, data.val_set
+    assert len(train) == (900 - 1) // 8 and len(val) == (100 - 1) // 8
+    x, y = train[3]
     assert x.dtype == torch.int64 and x.shape == (8,)
     assert torch.equal(x, torch.arange(24, 32)) and torch.equal(y, torch.arange(25, 33))
-    last_x, last_y = windows[len(windows) - 1]
-    assert int(last_y[-1]) <= 899  # never reads past the training split
+    assert int(train[len(train) - 1][1][-1]) <= 899  # never reads past the training split
+    assert int(val[0][0][0]) == 900  # validation is the end of the corpus
     with pytest.raises(IndexError):
-        windows[len(windows)]
+        train[len(train)]
+
+
+def test_memory_mapped_windows_pickle_as_a_file_name(tmp_path):
+    path = tmp_path / "big.txt"
+    path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    windows = TokenWindows(load_tokens(str(path)), block_size=64, start=1000)
+    pickled = pickle.dumps(windows)
+    assert len(pickled) < 1000  # what start_method=spawn sends each process: not the 1 MiB
+    restored = pickle.loads(pickled)
+    assert isinstance(restored.tokens, np.memmap)
+    assert all(torch.equal(a, b) for a, b in zip(restored[5], windows[5], strict=True))
 
 
 def test_distributed_sampler_gives_disjoint_seeded_windows():

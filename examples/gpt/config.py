@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
@@ -101,9 +102,11 @@ def load_config(overrides: list[str] = (), path: str | Path = DEFAULT_CONFIG) ->
         if "=" not in item or item.startswith("="):
             raise ConfigError(item, "expected key=value, e.g. trainer.max_steps=200")
     try:
-        merged = OmegaConf.merge(
-            OmegaConf.structured(Settings), OmegaConf.load(path), OmegaConf.from_dotlist(overrides)
-        )
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", f"{str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Settings), loaded, OmegaConf.from_dotlist(overrides))
         settings: Settings = OmegaConf.to_object(merged)
     except ConfigKeyError as err:
         raise ConfigError(err.full_key, f"unknown key; {_allowed_keys(err.full_key)}") from None
@@ -117,11 +120,11 @@ def load_config(overrides: list[str] = (), path: str | Path = DEFAULT_CONFIG) ->
 
 def _allowed_keys(full_key: str) -> str:
     section = full_key.split(".")[0]
-    fields = {f.name: f.type for f in dataclasses.fields(Settings)}
-    if section in fields and section != "sdp4bit" and "." in full_key:
+    sections = [f.name for f in dataclasses.fields(Settings)]
+    if section in sections and "." in full_key:
         names = [f.name for f in dataclasses.fields(type(getattr(Settings(), section)))]
         return f"{section}.* takes {', '.join(names)}"
-    return f"the sections are {', '.join(fields)}"
+    return f"the sections are {', '.join(sections)}"
 
 
 def sdp4bit_config(settings: Settings) -> SDP4BitConfig:

@@ -70,6 +70,13 @@ def _read_directory(root: Path) -> np.ndarray:
 
 def load_tokens(path: str | None) -> np.ndarray:
     """The corpus as a 1-D array of token ids: uint8 for bytes, uint16 for a .bin file."""
+    try:
+        return _load_tokens(path)
+    except OSError as err:  # unreadable files and directories, named in the message
+        raise ConfigError("data.path", f"cannot read {err.filename or path!r}: {err.strerror}") from None
+
+
+def _load_tokens(path: str | None) -> np.ndarray:
     if path is None:
         return embedded_corpus()
     p = Path(path).expanduser()
@@ -103,32 +110,32 @@ def vocab_size_of(tokens: np.ndarray, configured: int | None) -> int:
     return configured
 
 
-def split(tokens: np.ndarray, val_fraction: float, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) views of `tokens`; each must hold at least one window of block_size + 1."""
-    n_val = int(len(tokens) * val_fraction)
-    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
-    if len(tokens) < 2 * (block_size + 1):
+def val_start(n_tokens: int, val_fraction: float, block_size: int) -> int:
+    """Where the validation split starts; each split must hold at least one window of block_size + 1."""
+    if n_tokens < 2 * (block_size + 1):
         raise ConfigError(
             "data.path",
-            f"the corpus has {len(tokens)} tokens, too short for a training and a validation window of "
+            f"the corpus has {n_tokens} tokens, too short for a training and a validation window of "
             f"model.block_size + 1 = {block_size + 1} tokens each",
         )
-    for name, part in (("training", train), ("validation", val)):
-        if len(part) < block_size + 1:
+    start = n_tokens - int(n_tokens * val_fraction)
+    for name, length in (("training", start), ("validation", n_tokens - start)):
+        if length < block_size + 1:
             raise ConfigError(
                 "data.val_fraction",
-                f"{val_fraction} leaves {len(part)} tokens for {name}, fewer than model.block_size + 1 = "
-                f"{block_size + 1}",
+                f"{val_fraction} leaves {length} tokens for {name}, fewer than model.block_size + 1 = {block_size + 1}",
             )
-    return train, val
+    return start
 
 
 class TokenWindows(Dataset):
-    """Item i = (tokens[iT : iT + T], tokens[iT + 1 : iT + T + 1]) as int64, T = block_size."""
+    """Windows of tokens[start:stop]: item i = (x, y) with x = the T tokens from start + iT and y the
+    same shifted by one, as int64 (T = block_size). Windows never cross `stop`."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+    def __init__(self, tokens: np.ndarray, block_size: int, start: int = 0, stop: int | None = None) -> None:
         self.tokens, self.block_size = tokens, block_size
-        self.n = (len(tokens) - 1) // block_size
+        self.start, self.stop = start, len(tokens) if stop is None else stop
+        self.n = (self.stop - self.start - 1) // block_size
 
     def __len__(self) -> int:
         return self.n
@@ -136,9 +143,23 @@ class TokenWindows(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < self.n:
             raise IndexError(i)
-        start = i * self.block_size
-        window = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        begin = self.start + i * self.block_size
+        window = torch.from_numpy(self.tokens[begin : begin + self.block_size + 1].astype(np.int64))
         return window[:-1], window[1:]
+
+    # With start_method=spawn the dataset is pickled into every process: a memory-mapped file
+    # travels as its name, not as its bytes, so a large corpus is never copied.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if isinstance(self.tokens, np.memmap):
+            state["tokens"] = (str(self.tokens.filename), self.tokens.dtype.str)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["tokens"], tuple):
+            filename, dtype = state["tokens"]
+            state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r")
+        self.__dict__.update(state)
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -146,8 +167,9 @@ class TokenDataModule(L.LightningDataModule):
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, val_fraction: float) -> None:
         super().__init__()
-        train, val = split(tokens, val_fraction, block_size)
-        self.train_set, self.val_set = TokenWindows(train, block_size), TokenWindows(val, block_size)
+        boundary = val_start(len(tokens), val_fraction, block_size)
+        self.train_set = TokenWindows(tokens, block_size, stop=boundary)
+        self.val_set = TokenWindows(tokens, block_size, start=boundary)
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:

@@ -1,7 +1,7 @@
 """The GPT as a LightningModule: loss, metrics, AdamW with weight-decay groups, cosine schedule.
 
 Nothing here knows about SDP4Bit: the strategy shards and compresses behind Lightning's API, so
-this module trains the same way under "ddp", "fsdp" or "sdp4bit".
+this module trains the same way under "ddp" or "sdp4bit".
 """
 
 from __future__ import annotations

@@ -89,11 +89,11 @@ class RunSummary(L.Callback):
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if abs(n) < 1000:
             return f"{n:,.1f} {unit}"
         n /= 1000
-    raise AssertionError("unreachable")
+    return f"{n:,.1f} GB"
 
 
 def format_summary(s: dict) -> str:
