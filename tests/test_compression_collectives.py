@@ -70,7 +70,7 @@ def _two_level_grid(rank, world, ranks_per_node, grid):
             group_size=group,
             hadamard_size=hadamard,
             rounding=rounding,
-            seed_fn=lambda r, stage, step=step: stage_seed(config.seed, step, 0, r, stage),
+            seed_fn=lambda r, stage, step=step, base=config.seed: stage_seed(base, step, 0, r, stage),
         )[rank]
         if not torch.equal(bucket.grad_shard, expected):
             mismatches.append((intra, inter, group, hadamard, rounding))
