@@ -72,11 +72,12 @@ class GPTModule(L.LightningModule):
         self.val_ppl.update(self(inputs).float(), targets)  # sums -log p(target) and counts tokens
 
     def on_validation_epoch_end(self) -> None:
-        # compute() sums the states of all processes, so every rank logs the same value
+        # compute() sums the states of all processes, so every rank has the same value already;
+        # sync_dist averages those equal values, which only keeps Lightning from warning
         ppl = self.val_ppl.compute()
         self.val_ppl.reset()
-        self.log("val/loss", ppl.log().float(), prog_bar=True)  # mean cross-entropy per token
-        self.log("val/ppl", ppl.float())
+        self.log("val/loss", ppl.log().float(), prog_bar=True, sync_dist=True)  # mean cross-entropy per token
+        self.log("val/ppl", ppl.float(), sync_dist=True)
 
     def configure_optimizers(self):
         o = self.hparams.optim
