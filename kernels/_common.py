@@ -13,7 +13,8 @@ Triton spreads a row over 8 lanes and every butterfly stage past the first two c
 A quantization group is GROUP // T consecutive thread rows of one tile.
 
 **Bit-exactness with the reference** (`lightning_sdp4bit.reference`), on finite input:
-- divisions are IEEE (`tl.math.div_rn`; Triton's `/` is approximate);
+- divisions are IEEE (Triton's `/` is approximate): `tl.math.div_rn` once per group, and per
+  element a reciprocal refined by two Newton steps, which rounds exactly (see `_divide`);
 - round half to even is (v + 1.5 * 2^23) - 1.5 * 2^23, exact for |v| < 2^22 (|v| <= qmax here);
 - every kernel is launched with `enable_fp_fusion=False`, so code * scale and the following add
   round twice, as in PyTorch, instead of being contracted into one FMA;
@@ -59,8 +60,8 @@ __all__ = [
 ]
 
 # ------------------------------------------------------------------------------------------------
-# Launch settings (fixed, no autotuning: the kernels are memory-bound and the same settings held
-# across sizes on the H200; see benchmarks/results/kernels_h200_2026-11-29.md)
+# Launch settings: fixed, no autotuning; one sweep on the H200 chose them for all five ops (see
+# benchmarks/results/kernels_h200_2026-11-29.md).
 
 THREAD_ROW = 32
 """T, elements per thread row: 128 bytes of fp32 = 8 vector loads in flight per thread, and a
@@ -69,16 +70,16 @@ whole word of codes at every width (32 / bits <= 16 codes). Hadamard blocks abov
 thread would spill)."""
 
 NUM_WARPS = 2
-"""Warps per program: 64 threads own R = 64 thread rows, 2048 elements (8 KiB of fp32). On the
-H200, 2 warps beat 4 and 8 for every op (up to +20% for grad_encode): small programs keep more
-independent work per SM, which hides HBM latency in a streaming kernel."""
+"""Warps per program: 64 threads own R = 64 thread rows, 2048 elements (8 KiB of fp32). In the
+H200 sweep 2 warps were best or within 6 points for every op, and well ahead for the gradient
+kernels (grad_encode: 53% of the copy bandwidth, against 44% with 4 warps and 36% with 8)."""
 
 MIN_GROUP_SIZE = 32
 """Smaller groups would put less than one 32-bit word of 2-bit codes in a group; 32 is also the
 paper's smallest sensible group (one Hadamard block)."""
 
 MAX_GROUP_SIZE = 16384
-"""One group must fit in one program: 16384 / 32 = 512 thread rows = 16 warps, Triton's limit."""
+"""One group must fit in one program: 16384 / 32 = 512 thread rows, 16 warps."""
 
 MAX_HADAMARD_SIZE = 256
 
