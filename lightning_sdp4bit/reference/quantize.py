@@ -62,8 +62,11 @@ def quantize_groups(
     rounding = coerce_enum("rounding", rounding, Rounding)
     qmax = max_level(bits)
     x = x.float()
-    # amax propagates NaN, and an inf absmax gives an inf scale: both stay non-finite.
-    scales = x.abs().amax(dim=1) / qmax
+    # amax propagates NaN, and an inf absmax gives an inf scale: both stay non-finite. The
+    # divisor is a tensor because CUDA divides by a Python number through its reciprocal, which
+    # can be an ulp off the IEEE quotient that the CPU and the kernels compute.
+    absmax = x.abs().amax(dim=1)
+    scales = absmax / torch.full_like(absmax, qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     scaled = x / safe[:, None]
     if rounding is Rounding.NEAREST:
