@@ -1,0 +1,192 @@
+"""How much of a GPT training step the compression kernels take, on one GPU.
+
+    python benchmarks/training_step.py                          # GPT ~350M, 8 ranks as 2 nodes x 4
+    python benchmarks/training_step.py --n-layer 24 --n-embd 2048 --batch 2   # ~1.3B
+
+One GPU plays rank 0 of a data-parallel job of --world ranks: the engine (lightning_sdp4bit.
+engine, the strategy's own) shards the optimizer for that world and runs every compression
+kernel on this rank's real sizes, while `lightning_sdp4bit.comm` is replaced by a loopback that
+only copies (each peer "sends" what this rank sent). Forward, backward, the optimizer on 1/world
+of the parameters and all five compression kernels therefore cost what they cost on one GPU of
+the real job; only the network time is missing, so the kernels' share printed here is an upper
+bound of their share in a real step.
+
+Per preset (baseline = no compression, sdp4bit = qWD + TLq-HS) it prints the median step time
+(CUDA events) and, from the profiler, the GPU time of the compression kernels per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+from gpt.model import GPT, GPTConfig  # noqa: E402
+
+import lightning_sdp4bit.comm as comm  # noqa: E402
+from lightning_sdp4bit import SDP4BitConfig  # noqa: E402
+from lightning_sdp4bit.engine import ShardedEngine  # noqa: E402
+from lightning_sdp4bit.topology import ProcessGroups, Topology  # noqa: E402
+
+COMPRESSION_KERNELS = ("weight_update", "grad_encode", "grad_requantize", "grad_decode_sum")
+"""Substrings of the Triton kernels' names (kernels/*.py)."""
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _install_loopback(world: int) -> None:
+    """Collectives that move this rank's bytes locally, as if every peer had sent the same."""
+
+    def all_gather(output, input, group=None, async_op=False):
+        output.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
+        return _Done()
+
+    def reduce_scatter(output, input, group=None, async_op=False):
+        output.copy_(input.view(world, -1)[0])
+        return _Done()
+
+    def all_to_all(output, input, group=None, async_op=False):
+        output.copy_(input)
+        return _Done()
+
+    def no_op(tensor, *args, **kwargs):
+        return _Done()
+
+    comm.all_gather, comm.reduce_scatter, comm.all_to_all = all_gather, reduce_scatter, all_to_all
+    comm.all_reduce = comm.broadcast = no_op
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a dry run of the script
+
+
+def _synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(step) -> float:
+    """Milliseconds of one call: CUDA events on the GPU, the wall clock on the CPU."""
+    if DEVICE != "cuda":
+        start = time.perf_counter()
+        step()
+        return 1e3 * (time.perf_counter() - start)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+
+
+def _measure(args: argparse.Namespace, preset: str) -> dict[str, float]:
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=50304, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+    )
+    model = GPT(config).to(DEVICE, torch.bfloat16)
+    topology = Topology(rank=0, world_size=args.world, ranks_per_node=args.ranks_per_node)
+    sdp_config = SDP4BitConfig.preset(preset, ranks_per_node=args.ranks_per_node)
+    engine = ShardedEngine(model, sdp_config, topology, ProcessGroups(None, None, None))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=DEVICE == "cuda")
+    engine.shard_optimizer(optimizer)
+    tokens = torch.randint(0, 50304, (args.batch, args.seq + 1), device=DEVICE)
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        engine.check_weights_were_waited()
+        loss.backward()
+        engine.finish_grad_sync()
+        engine.clip_grad_norm(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        engine.start_weight_sync()
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        times.append(_timed(step))
+    activities = [torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(args.profiled_steps):
+            step()
+        _synchronize()
+    kernel_us = sum(
+        event.device_time_total
+        for event in profiler.key_averages()
+        if any(name in event.key for name in COMPRESSION_KERNELS)
+    )
+    params = sum(p.numel() for p in model.parameters())
+    result = {
+        "params": params,
+        "step_ms": statistics.median(times),
+        "kernel_ms": kernel_us / 1e3 / args.profiled_steps,
+        "tokens_per_s": args.batch * args.seq / (statistics.median(times) / 1e3),
+    }
+    engine.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--ranks-per-node", type=int, default=4)
+    parser.add_argument("--n-layer", type=int, default=24)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--n-embd", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profiled-steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="append the Markdown table to this file")
+    args = parser.parse_args()
+    _install_loopback(args.world)
+    rows = []
+    for preset in ("baseline", "sdp4bit"):
+        r = _measure(args, preset)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        share = 100 * r["kernel_ms"] / r["step_ms"]
+        rows.append(
+            f"| {preset} | {r['params'] / 1e6:.0f}M | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['kernel_ms']:.2f} | {share:.2f}% |"
+        )
+    lines = [
+        f"### GPT training step on {_device_name()}, {datetime.date.today()}",
+        "",
+        f"`python benchmarks/training_step.py {' '.join(sys.argv[1:])}`: rank 0 of {args.world} ranks "
+        f"({args.world // args.ranks_per_node} nodes x {args.ranks_per_node}), bf16 weights, seq {args.seq}, "
+        f"batch {args.batch}, loopback communication; torch {torch.__version__}.",
+        "",
+        "| preset | params | step (ms) | tokens/s | compression kernels (ms/step) | share of the step |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as handle:
+            handle.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
