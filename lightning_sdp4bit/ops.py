@@ -13,10 +13,11 @@ import functools
 
 from torch import Tensor
 
-from lightning_sdp4bit.config import Rounding
+from lightning_sdp4bit.config import Rounding, SDP4BitConfig
 from lightning_sdp4bit.reference import ops as reference
 
 __all__ = [
+    "check_kernel_limits",
     "grad_decode_sum",
     "grad_encode",
     "grad_requantize",
@@ -34,6 +35,30 @@ def kernels_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def check_kernel_limits(config: SDP4BitConfig, device_type: str) -> None:
+    """Raise a ValueError naming the field when `config` asks for more than the kernels that
+    would run on `device_type` support (the reference supports any power-of-two size; the
+    kernels need groups of 32 or more and Hadamard blocks of at most 256)."""
+    if device_type != "cuda" or not kernels_available():
+        return
+    from lightning_sdp4bit.kernels._common import MAX_GROUP_SIZE, MAX_HADAMARD_SIZE, MIN_GROUP_SIZE
+
+    sizes = []
+    if config.compresses_weights:
+        sizes.append(("weight_group_size", config.weight_group_size))
+    if config.compresses_grads:
+        sizes.append(("grad_group_size", config.grad_group_size))
+        if config.hadamard_size > MAX_HADAMARD_SIZE:
+            raise ValueError(
+                f"hadamard_size must be at most {MAX_HADAMARD_SIZE} for the CUDA kernels, got {config.hadamard_size}"
+            )
+    for name, value in sizes:
+        if not MIN_GROUP_SIZE <= value <= MAX_GROUP_SIZE:
+            raise ValueError(
+                f"{name} must be from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE} for the CUDA kernels, got {value}"
+            )
 
 
 def _on_kernels(tensor: Tensor) -> bool:

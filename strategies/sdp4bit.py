@@ -43,6 +43,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_sdp4bit import checkpoint as sharded_checkpoint
+from lightning_sdp4bit import ops
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.stats import WireMeter
@@ -169,6 +170,8 @@ class SDP4BitStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         # Topology errors must surface here, while the Trainer is built, not in the workers.
         self.config.resolve_ranks_per_node(self.num_nodes * self.num_processes, self.num_processes)
+        if self.parallel_devices:
+            ops.check_kernel_limits(self.config, self.parallel_devices[0].type)
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:

@@ -180,3 +180,15 @@ def test_dispatch_sends_cuda_tensors_to_the_kernels(monkeypatch):
     grad = _randn(1024)
     payload = dispatch.grad_encode(grad, 2, 2, 32, 8, 128, "nearest", 0)
     assert calls and torch.equal(payload, original(grad, 2, 2, 32, 8, 128, "nearest", 0))
+
+
+def test_configs_beyond_the_kernels_are_refused_before_launch():
+    from lightning_sdp4bit import SDP4BitConfig
+    from lightning_sdp4bit.ops import check_kernel_limits
+
+    check_kernel_limits(SDP4BitConfig(grad_group_size=16, hadamard_size=16), "cpu")  # the reference does any size
+    with pytest.raises(ValueError, match="grad_group_size must be from 32 to 16384 for the CUDA kernels, got 16"):
+        check_kernel_limits(SDP4BitConfig(grad_group_size=16, hadamard_size=16), "cuda")
+    with pytest.raises(ValueError, match="hadamard_size must be at most 256 for the CUDA kernels"):
+        check_kernel_limits(SDP4BitConfig(grad_group_size=512, hadamard_size=512), "cuda")
+    check_kernel_limits(SDP4BitConfig.preset("qwd", grad_group_size=16, hadamard_size=0), "cuda")  # grads uncompressed
