@@ -51,6 +51,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-true on GPU")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset to run")
     parser.add_argument("--out", default=None, help="also write the Markdown table here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -157,8 +158,13 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    names = [n for n in STRATEGIES if n != "fsdp" or args.accelerator == "gpu"]
+    names = [n for n in args.strategies.split(",") if n != "fsdp" or args.accelerator == "gpu"]
+    unknown = set(names) - set(STRATEGIES)
+    if unknown:
+        raise SystemExit(f"--strategies: unknown {sorted(unknown)}; choose from {STRATEGIES}")
     device = torch.cuda.get_device_name() if args.accelerator == "gpu" else f"{os.cpu_count()}-core CPU"
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        device += ", NCCL over its network transport only (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)"
     lines = [
         f"# Strategies on {device}, {datetime.date.today()}",
         "",
