@@ -33,10 +33,13 @@ from pathlib import Path
 
 import torch
 
+from lightning_sdp4bit import PRESETS  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 STRATEGIES = ["ddp", "fsdp", "sdp4bit-baseline", "sdp4bit"]
+"""sdp4bit-<preset> also runs any other preset of SDP4BitConfig (e.g. sdp4bit-qwd, sdp4bit-tlq_hs)."""
 
 
 def _parse() -> argparse.Namespace:
@@ -69,7 +72,7 @@ def _strategy(name: str, args: argparse.Namespace):
         return DDPStrategy()
     if name == "fsdp":
         return FSDPStrategy()
-    preset = "baseline" if name == "sdp4bit-baseline" else "sdp4bit"
+    preset = name.removeprefix("sdp4bit-") if name.startswith("sdp4bit-") else "sdp4bit"
     return SDP4BitStrategy(config={"preset": preset, "ranks_per_node": args.ranks_per_node})
 
 
@@ -159,7 +162,7 @@ def main() -> None:
         _worker(args)
         return
     names = [n for n in args.strategies.split(",") if n != "fsdp" or args.accelerator == "gpu"]
-    unknown = set(names) - set(STRATEGIES)
+    unknown = {n for n in names if n not in STRATEGIES and n.removeprefix("sdp4bit-") not in PRESETS}
     if unknown:
         raise SystemExit(f"--strategies: unknown {sorted(unknown)}; choose from {STRATEGIES}")
     device = torch.cuda.get_device_name() if args.accelerator == "gpu" else f"{os.cpu_count()}-core CPU"
