@@ -63,19 +63,19 @@ class ProcessGroups:
 
 
 def create_process_groups(topology: Topology) -> ProcessGroups:
-    """Create the sub-groups. Collective: every rank must call it, in the same order."""
+    """Create the sub-groups. Collective: every rank must call it, in the same order.
+
+    A stage whose group would hold every rank uses the world group; an absent stage gets None.
+    """
     world = dist.group.WORLD
-    intra = inter = None
-    if topology.has_intra_stage:
-        if topology.has_inter_stage:
-            groups = [topology.node_ranks(node) for node in range(topology.nodes)]
-            intra, _ = dist.new_subgroups_by_enumeration(groups)
-        else:
-            intra = world
-    if topology.has_inter_stage:
-        if topology.has_intra_stage:
-            groups = [topology.local_index_ranks(local) for local in range(topology.ranks_per_node)]
-            inter, _ = dist.new_subgroups_by_enumeration(groups)
-        else:
-            inter = world
+
+    def subgroup(present: bool, spans_world: bool, members: list[list[int]]) -> Any:
+        if not present:
+            return None
+        return world if spans_world else dist.new_subgroups_by_enumeration(members)[0]
+
+    nodes = [topology.node_ranks(node) for node in range(topology.nodes)]
+    local_indices = [topology.local_index_ranks(local) for local in range(topology.ranks_per_node)]
+    intra = subgroup(topology.has_intra_stage, not topology.has_inter_stage, nodes)
+    inter = subgroup(topology.has_inter_stage, not topology.has_intra_stage, local_indices)
     return ProcessGroups(world=world, intra=intra, inter=inter)
