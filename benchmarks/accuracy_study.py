@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_gpt.py"
 PRESETS = ["baseline", "qw", "qwd", "ulq", "tlq", "tlq_hs", "sdp4bit"]
+FAR_PERCENT = 3  # the plot of differences leaves out presets that end further than this off
 NOTES_MARKER = "<!-- Notes below this line are kept when the study is re-run. -->"
 
 # Paper, Table 1, GPT-125M: final validation loss (the smallest model, the closest to ours).
@@ -140,6 +141,25 @@ def code_version() -> str:
     return commit.stdout.strip() + (" with uncommitted changes" if dirty.strip() else "")
 
 
+def record_provenance(results: Path, command: str, settings: list[str]) -> None:
+    """Note in <results>/study.json what trains the runs (each distinct command, settings, commit,
+    machine and torch version once), so that a report rebuilt later or elsewhere still names them."""
+    path = results / "study.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    now = {
+        "command": command,
+        "settings": " ".join(COMMON + settings),
+        "code": code_version(),
+        "machine": machine(),
+        "torch": torch.__version__,
+    }
+    for key, value in now.items():
+        if value not in known.setdefault(key, []):
+            known[key].append(value)
+    results.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known, indent=2) + "\n")
+
+
 def pct(value: float, reference: float) -> str:
     return f"{100 * (value - reference) / reference:+.2f}%"
 
@@ -153,14 +173,21 @@ def plot(curves: dict[str, dict[int, float]], path: Path) -> None:
 
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))
     base = curves["baseline"]
-    for preset, curve in curves.items():
+    far = []  # presets that end more than FAR_PERCENT off: they would flatten the others
+    for color, (preset, curve) in enumerate(curves.items()):
         steps = sorted(curve)
-        ax_loss.plot(steps, [curve[s] for s in steps], label=preset)
-        ax_diff.plot(steps, [100 * (curve[s] - base[s]) / base[s] for s in steps], label=preset)
+        diff = [100 * (curve[s] - base[s]) / base[s] for s in steps]
+        ax_loss.plot(steps, [curve[s] for s in steps], label=preset, color=f"C{color}")
+        if abs(diff[-1]) > FAR_PERCENT:
+            far.append(f"{preset} {diff[-1]:+.1f}%")
+        else:
+            ax_diff.plot(steps, diff, label=preset, color=f"C{color}")
     ax_loss.set(xlabel="optimizer step", ylabel="validation loss (nats per byte)", title="Validation loss")
     ax_loss.legend()
     ax_diff.axhline(0, color="gray", linewidth=0.8)
-    ax_diff.set(xlabel="optimizer step", ylabel="% vs baseline", title="Difference to baseline")
+    title = "Difference to baseline" + (f" (not shown: {', '.join(far)} at the end)" if far else "")
+    ax_diff.set(xlabel="optimizer step", ylabel="% vs baseline", title=title)
+    ax_diff.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -184,7 +211,7 @@ def verdicts(diff: dict[str, float], spread: dict[str, float]) -> list[str]:
     return [f"- {text}: **{'holds' if ok else 'does not hold'}**" for text, ok in checks]
 
 
-def report(results: Path, seeds: int, settings: list[str], command: str, out: Path) -> None:
+def report(results: Path, seeds: int, out: Path) -> None:
     names = {p: [name for name, preset, _ in runs(seeds) if preset == p] for p in PRESETS}
     finals = {p: [summary(results, n)["final_val_loss"] for n in names[p]] for p in PRESETS}
     loss = {p: sum(v) / len(v) for p, v in finals.items()}  # mean over rounding seeds
@@ -192,6 +219,9 @@ def report(results: Path, seeds: int, settings: list[str], command: str, out: Pa
     diff = {p: 100 * (loss[p] - base) / base for p in PRESETS}
     spread = {p: 100 * (max(v) - min(v)) / base for p, v in finals.items()}  # 0 with one seed
     first = summary(results, names["baseline"][0])
+    made = json.loads((results / "study.json").read_text()) if (results / "study.json").exists() else {}
+    made = {key: "; ".join(made.get(key, ["unknown"])) for key in ("command", "settings", "code", "machine", "torch")}
+    finished = max((run_dir(results, n) / "summary.json").stat().st_mtime for p in PRESETS for n in names[p])
     lines = [
         "# Accuracy study: final validation loss per SDP4Bit ablation",
         "",
@@ -200,10 +230,10 @@ def report(results: Path, seeds: int, settings: list[str], command: str, out: Pa
         "number of tokens, on 4 processes as 2 virtual nodes x 2 (`sdp4bit.ranks_per_node=2`). Presets",
         f"that round stochastically run with {seeds} rounding seed(s); the table gives their mean.",
         "",
-        f"- command: `{command}`",
-        f"- date: {datetime.date.today().isoformat()}; machine: {machine()}; torch {torch.__version__}; "
-        f"code: {code_version()}",
-        f"- settings on top of examples/configs/gpt.yaml: `{' '.join(COMMON + settings)}`",
+        f"- command: `{made['command']}`",
+        f"- finished: {datetime.date.fromtimestamp(finished).isoformat()}; machine: {made['machine']}; "
+        f"torch {made['torch']}; code: {made['code']}",
+        f"- settings on top of examples/configs/gpt.yaml: `{made['settings']}`",
         f"- data: the embedded corpus (CPython {platform.python_version()}'s documentation topics, bytes)",
         f"- tokens per run: {first['train_tokens']:,} over {first['steps']} optimizer steps",
         "",
@@ -269,11 +299,11 @@ def main() -> None:
     settings = SMOKE if args.smoke else FULL
     seeds = args.seeds or (1 if args.smoke else 2)
     if not args.report_only:
+        record_provenance(results, " ".join(["python benchmarks/accuracy_study.py", *sys.argv[1:]]), settings)
         for name, preset, seed in runs(seeds):
             train(name, [*settings, f"sdp4bit.preset={preset}", f"sdp4bit.seed={seed}"], args.accelerator, results)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/accuracy_study.py " + " ".join(sys.argv[1:])
-    report(results, seeds, settings, command.strip(), out)
+    report(results, seeds, out)
 
 
 if __name__ == "__main__":
