@@ -142,6 +142,8 @@ def _worker(args: argparse.Namespace) -> None:
             "ranks": everyone,
         }
         Path(args.result).write_text(json.dumps(result))
+    # DDPStrategy leaves the group up, and gloo's threads can abort the exit otherwise.
+    torch.distributed.destroy_process_group()
 
 
 def _run(name: str, args: argparse.Namespace) -> dict | None:

@@ -8,6 +8,7 @@ Trainer.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -185,9 +186,15 @@ class SDP4BitStrategy(ParallelStrategy):
             self.root_device
         )
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        already_initialized = _distributed_is_initialized()
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        if not already_initialized:
+            # The group stays up after fit (trainer.save_checkpoint needs it), but left alive at
+            # interpreter exit gloo's threads can abort the process ("terminate called without
+            # an active exception") after a successful run: take it down first.
+            atexit.register(_destroy_process_group)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -378,6 +385,11 @@ class SDP4BitStrategy(ParallelStrategy):
         optimizers = [_unwrap(opt) for opt in self.optimizers]
         full = sharded_checkpoint.full_state_from_lightning(checkpoint, self.engine.optimizer_param_names)
         sharded_checkpoint.load_full_state(self.engine, optimizers, full)
+
+
+def _destroy_process_group() -> None:
+    if _distributed_is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
