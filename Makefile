@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test test-all lint clean
+.PHONY: install demo test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
-
-# Also runs the tests marked slow (several minutes more on 2 cores).
-test-all: $(STAMP)
-	SDP4BIT_SLOW=1 $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install --quiet ruff

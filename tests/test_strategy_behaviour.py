@@ -110,7 +110,6 @@ def test_devices_1_equals_ddp_on_one_device():
         assert torch.equal(result["sdp4bit"][name], expected), name
 
 
-@pytest.mark.slow
 def test_spawn_launcher_trains_and_returns_the_weights(tmp_path):
     import lightning.pytorch as pl
 

@@ -45,7 +45,7 @@ def _save_then_resume(rank, world, directory, preset):
     }
 
 
-@pytest.mark.parametrize("preset", [pytest.param("baseline", marks=pytest.mark.slow), "sdp4bit"])
+@pytest.mark.parametrize("preset", ["baseline", "sdp4bit"])
 def test_save_then_resume_equals_a_straight_run(tmp_path, preset):
     results = run_workers(_save_then_resume, 2, str(tmp_path), preset)
     assert results[0]["listing"] == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
@@ -89,7 +89,7 @@ def _full(pieces_per_rank):
     return {name: torch.cat([parts[s] for s in sorted(parts)]) for name, parts in full.items()}
 
 
-@pytest.mark.parametrize("preset", [pytest.param("baseline", marks=pytest.mark.slow), "sdp4bit"])
+@pytest.mark.parametrize("preset", ["baseline", "sdp4bit"])
 def test_resume_on_another_world_size_and_bucket_size(tmp_path, preset):
     path = str(tmp_path / "w2.ckpt")
     saved = _full(run_workers(_save, 2, path, preset))
