@@ -362,13 +362,13 @@ class SDP4BitStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
+        # Fitting, the optimizers exist already (restore_checkpoint_after_setup), so their state
+        # is restored in the same pass as the weights; load_optimizer_state_dict has nothing left.
+        optimizers = [_unwrap(opt) for opt in self.optimizers] if self.engine is not None else None
         if _SHARDED_KEY in checkpoint:
             path = checkpoint[_SHARDED_KEY]
             module.load_state_dict(checkpoint["state_dict"], strict=False)
             if self.engine is not None:
-                # Fitting: the optimizers exist already (restore_checkpoint_after_setup), so their
-                # shards are restored in the same pass; load_optimizer_state_dict has nothing left.
-                optimizers = [_unwrap(opt) for opt in self.optimizers]
                 sharded_checkpoint.load_sharded(self.engine, optimizers, path)
             else:
                 full = sharded_checkpoint.read_full_state(path)
@@ -377,14 +377,11 @@ class SDP4BitStrategy(ParallelStrategy):
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         if self.engine is not None:
             full = sharded_checkpoint.full_state_from_lightning(checkpoint, self.engine.optimizer_param_names)
-            sharded_checkpoint.load_full_state(self.engine, None, full)
+            # A weights-only checkpoint has no optimizer states: then the masters alone are restored.
+            sharded_checkpoint.load_full_state(self.engine, optimizers if full["optimizers"] else None, full)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self.engine is None or _SHARDED_KEY in checkpoint:
-            return
-        optimizers = [_unwrap(opt) for opt in self.optimizers]
-        full = sharded_checkpoint.full_state_from_lightning(checkpoint, self.engine.optimizer_param_names)
-        sharded_checkpoint.load_full_state(self.engine, optimizers, full)
+        """Nothing to do: load_model_state_dict restored the optimizers' shards with the weights."""
 
 
 def _destroy_process_group() -> None:
