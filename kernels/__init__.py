@@ -2,7 +2,8 @@
 
 Each public function takes the arguments of its twin `torch_<name>` in
 `lightning_sdp4bit.reference.ops` and returns the same bytes with nearest rounding (stochastic
-rounding draws its own seeded Philox noise, so it matches the reference in distribution only).
+rounding draws its own seeded noise from an integer hash, so it matches the reference in
+distribution only).
 "The same bytes" means those of the reference run on the CPU: its `absmax / qmax` is an IEEE
 division there, while PyTorch's CUDA kernels divide by a Python number through its rounded
 reciprocal, which can differ by an ulp; the kernels divide exactly.

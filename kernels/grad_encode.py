@@ -16,66 +16,66 @@ from torch import Tensor
 from lightning_sdp4bit.config import Rounding, check_bits
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
+from ._columns import hadamard_columns, load_columns, pack_columns, quantize_columns, store_columns, tl, triton
 from ._common import (
+    MAX_GRID_Y,
     LaunchConfig,
     check_group_and_hadamard,
     check_rounding,
     check_seed,
     check_tensor,
     hadamard_constants,
-    hadamard_rows,
-    load_rows,
-    pack_rows,
-    quantize_rows,
-    store_rows,
-    tl,
-    triton,
+    row_unit,
 )
 
 __all__ = ["grad_encode"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _grad_encode_kernel(
     grad_ptr,  # fp32 or bf16 [N], N = outer * chunks * S
     words_ptr,  # the payload [chunks, row_bytes(outer * S)] viewed as int32 words
     scales_ptr,  # the same payload viewed as fp32
-    thread_rows,  # N // T
     payload_rows,  # outer * S // T: thread rows per payload row (chunk)
     shard_rows,  # S // T
     chunks,
-    row_words,  # row_bytes // 4
+    row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # outer * S * BITS // 32: the word of a row where its scales start
     seed,
+    ROW_UNIT: tl.constexpr,  # words; see _common.row_unit
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     T: tl.constexpr,
     R: tl.constexpr,
-    H: tl.constexpr,  # Hadamard block; 1 = no transform
-    LOG2_H: tl.constexpr,
+    LOG2_H: tl.constexpr,  # Hadamard block 2^LOG2_H; 0 = no transform
     H_SCALE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
-    # The program walks the payload in order: thread row `rows` is row `local` of chunk `chunk`.
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    live = rows < thread_rows
-    chunk = rows // payload_rows
-    local = rows % payload_rows
-    # Its source: shard [outer block, chunk] of the bucket viewed as [outer, chunks, S].
-    block = local // shard_rows
-    source = ((block * chunks + chunk).to(tl.int64) * shard_rows + local % shard_rows) * T
-    x = load_rows(grad_ptr, source, live, R, T).to(tl.float32)
-    if H > 1:
-        x = hadamard_rows(x, R, T, H, LOG2_H, H_SCALE)
-    codes, scales = quantize_rows(x, seed, rows.to(tl.int64) * T, R, T, GROUP, BITS, STOCHASTIC)
+    # The grid is (tiles of a shard, shard): program (t, s) reads R thread rows of shard s =
+    # [block, chunk] of the bucket viewed as [outer, chunks, S], and writes them as thread rows
+    # `local` of payload row `chunk` (per-row divisions by run-time values would cost ~20
+    # instructions per row).
+    shard = tl.program_id(1)
+    block = shard // chunks
+    chunk = shard % chunks
+    in_shard = tl.program_id(0) * R + tl.arange(0, R)
+    live = in_shard < shard_rows
+    x = load_columns(grad_ptr, (shard.to(tl.int64) * shard_rows + in_shard) * T, live, T)
+    # The transform's 1/sqrt(H) is left to the quantizer, which saves it per element when rounding
+    # is stochastic.
+    x = hadamard_columns(x, R, T, LOG2_H, 1.0)
+    local = block * shard_rows + in_shard
+    # The noise is keyed by the element's index in the payload, chunk-major.
+    first = (chunk.to(tl.int64) * payload_rows + local) * T
+    codes, scales = quantize_columns(x, seed, first, R, T, GROUP, BITS, STOCHASTIC, H_SCALE)
     TW: tl.constexpr = T * BITS // 32
-    chunk_words = chunk.to(tl.int64) * row_words
-    store_rows(words_ptr, chunk_words + local * TW, live, pack_rows(codes, R, T, BITS), R, TW)
-    # One scale per group, at the group's first thread row (groups never straddle chunks).
+    chunk_words = chunk.to(tl.int64) * row_units * ROW_UNIT
+    store_columns(words_ptr, chunk_words + local.to(tl.int64) * TW, live, pack_columns(codes, T, BITS), TW)
+    # One scale per group (groups never straddle shards).
     RPG: tl.constexpr = GROUP // T
-    heads = tl.program_id(0) * R + tl.arange(0, R // RPG) * RPG
-    scale_at = (heads // payload_rows).to(tl.int64) * row_words + code_words + (heads % payload_rows) // RPG
-    tl.store(scales_ptr + scale_at, scales, mask=heads < thread_rows)
+    heads = tl.program_id(0) * R + tl.arange(0, R // RPG) * RPG  # each group's first thread row
+    scale_at = chunk_words + code_words + (block * shard_rows + heads) // RPG
+    tl.store(scales_ptr + scale_at, scales, mask=heads < shard_rows)
 
 
 @torch.library.custom_op("sdp4bit::grad_encode", mutates_args=())
@@ -89,21 +89,22 @@ def _grad_encode(
     rounding: str,
     seed: int,
 ) -> Tensor:
-    config = LaunchConfig(group_size, hadamard_size)
+    config = LaunchConfig(group_size)
     row_numel = grad.numel() // chunks
     payload = torch.empty(chunks, payload_row_bytes(row_numel, bits, group_size), dtype=torch.uint8, device=grad.device)
     T = config.thread_row
-    _grad_encode_kernel[config.grid(grad.numel() // T)](
+    shard_rows = row_numel // outer // T
+    _grad_encode_kernel[config.grid(shard_rows) + (outer * chunks,)](
         grad,
         payload.view(torch.int32),
         payload.view(torch.float32),
-        grad.numel() // T,
         row_numel // T,
-        row_numel // outer // T,
+        shard_rows,
         chunks,
-        payload.shape[1] // 4,
+        payload.shape[1] // 4 // row_unit(payload.shape[1] // 4),
         row_numel * bits // 32,
         seed,
+        ROW_UNIT=row_unit(payload.shape[1] // 4),
         BITS=bits,
         GROUP=group_size,
         T=T,
@@ -148,6 +149,8 @@ def grad_encode(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     shards = outer * chunks
+    if shards > MAX_GRID_Y:
+        raise ValueError(f"outer x chunks must be at most {MAX_GRID_Y} shards, got {shards}")
     if grad.numel() == 0 or grad.numel() % (shards * group_size):
         raise ValueError(
             f"grad has {grad.numel()} elements: it must split into outer x chunks = {shards} shards "

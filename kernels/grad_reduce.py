@@ -6,8 +6,8 @@
 - `grad_decode_sum` (stage 3): payload [P, row(S)] -> sum over P -> inverse Hadamard -> the fp32
   gradient shard `out` [S].
 
-The P rows are summed strictly in order 0, 1, ..., P-1, starting from row 0, as the reference's
-`_sum_rows` does, so that the sums are bit-identical. Twins: `torch_grad_requantize` and
+The P rows are summed strictly in order 0, 1, ..., P-1, as the reference's `_sum_rows` does, so
+that the sums are bit-identical. Twins: `torch_grad_requantize` and
 `torch_grad_decode_sum` in `lightning_sdp4bit.reference.ops`.
 
 Bytes per element of the sum: both read P * (bits/8 + 4/group); requantize writes
@@ -20,7 +20,20 @@ from torch import Tensor
 from lightning_sdp4bit.config import Rounding, check_bits
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
+from ._columns import (
+    dequantize_columns,
+    hadamard_columns,
+    load_columns,
+    load_per_row,
+    pack_columns,
+    quantize_columns,
+    store_columns,
+    store_rows_coalesced,
+    tl,
+    triton,
+)
 from ._common import (
+    MAX_GRID_Y,
     LaunchConfig,
     check_group_and_hadamard,
     check_payload,
@@ -28,28 +41,17 @@ from ._common import (
     check_seed,
     check_tensor,
     hadamard_constants,
-    hadamard_rows,
-    load_per_row,
-    load_rows,
-    pack_rows,
-    quantize_rows,
-    store_rows,
-    tl,
-    triton,
-    unpack_rows,
+    row_unit,
     word_views,
 )
 
 __all__ = ["grad_decode_sum", "grad_requantize"]
 
 
-@triton.jit
-def _dequantize_rows(
-    words_ptr, scales_ptr, row, word_at, scale_at, live, BITS: tl.constexpr, T: tl.constexpr, R: tl.constexpr
-):
-    """fp32 [R, T]: thread rows of payload row `row` (a word offset), code * scale."""
-    codes = unpack_rows(load_rows(words_ptr, row + word_at, live, R, T * BITS // 32), R, T, BITS)
-    return codes * load_per_row(scales_ptr, row + scale_at, live, R)
+PEERS_PER_STEP = tl.constexpr(4)
+"""Peers whose rows one loop step loads before it adds any: their loads are in flight together
+(one step per peer left each thread waiting on memory; decode_sum then ran at 39% of the copy
+bandwidth)."""
 
 
 @triton.jit
@@ -59,46 +61,60 @@ def _sum_rows(
     rows,
     live,
     peers,
-    row_words,
+    row_words,  # int64
     code_words,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     T: tl.constexpr,
     R: tl.constexpr,
 ):
-    """fp32 [R, T]: thread rows `rows` of the P payload rows, dequantized and summed in row order."""
-    word_at = rows.to(tl.int64) * (T * BITS // 32)
+    """fp32 columns: thread rows `rows` of the P payload rows, dequantized and summed in row order.
+
+    Each term is code * scale, then a separate add (the launch disables FMA contraction), like
+    PyTorch. The sum starts from +0.0, which adds exactly to the first term because no term is
+    -0.0 (a zero code gives +0.0, and a zero scale comes only with zero codes); peers past P
+    read as zero words and scales, so they add +0.0 terms, again exactly.
+    """
+    TW: tl.constexpr = T * BITS // 32
+    word_at = rows.to(tl.int64) * TW
     scale_at = code_words + rows // (GROUP // T)
-    row_words = row_words.to(tl.int64)
-    total = _dequantize_rows(words_ptr, scales_ptr, 0, word_at, scale_at, live, BITS, T, R)
-    # Two peers per iteration: both rows' loads are issued before either is added, which doubles
-    # the bytes each warp has in flight (the loop waits on memory, not on arithmetic). The adds
-    # stay in peer order; each is code * scale, then a separate add (the launch disables FMA
-    # contraction), like PyTorch.
-    for peer in range(1, peers - 1, 2):
-        first = _dequantize_rows(words_ptr, scales_ptr, peer * row_words, word_at, scale_at, live, BITS, T, R)
-        second = _dequantize_rows(words_ptr, scales_ptr, (peer + 1) * row_words, word_at, scale_at, live, BITS, T, R)
-        total += first
-        total += second
-    if peers % 2 == 0:
-        total += _dequantize_rows(words_ptr, scales_ptr, (peers - 1) * row_words, word_at, scale_at, live, BITS, T, R)
+    total = ()
+    for _ in tl.static_range(T):
+        total = total + (tl.zeros([R], tl.float32),)
+    for first in range(0, peers, PEERS_PER_STEP):
+        # All loads first, in program order too: ptxas keeps loads where they are written, and
+        # interleaved with their use they ran one peer at a time.
+        words = ()
+        scales = ()
+        for step in tl.static_range(PEERS_PER_STEP):
+            valid = live & (tl.zeros_like(rows) + (first + step) < peers)  # a tensor: the interpreter needs one
+            offset = (first + step) * row_words
+            words = words + (load_columns(words_ptr, offset + word_at, valid, TW),)
+            scales = scales + (load_per_row(scales_ptr, offset + scale_at, valid),)
+        for step in tl.static_range(PEERS_PER_STEP):
+            term = dequantize_columns(words[step], scales[step], T, BITS)
+            added = ()
+            for i in tl.static_range(T):
+                added = added + (total[i] + term[i],)
+            total = added
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _requantize_kernel(
     in_words_ptr,  # the intra-node payload [P, row_bytes(outer * S)] viewed as int32 words
     in_scales_ptr,  # the same payload viewed as fp32
     out_words_ptr,  # the inter-node payload [outer, row_bytes(S)] viewed as int32 words
     out_scales_ptr,  # the same payload viewed as fp32
     peers,  # P
-    thread_rows,  # outer * S // T
     shard_rows,  # S // T: thread rows per output row
-    in_row_words,
+    in_row_units,  # in row_bytes // (4 * IN_UNIT)
     in_code_words,  # outer * S * IN_BITS // 32
-    out_row_words,
+    out_row_units,  # out row_bytes // (4 * OUT_UNIT)
     out_code_words,  # S * OUT_BITS // 32
     seed,
+    IN_UNIT: tl.constexpr,  # words; see _common.row_unit
+    OUT_UNIT: tl.constexpr,
     IN_BITS: tl.constexpr,
     OUT_BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -106,20 +122,20 @@ def _requantize_kernel(
     R: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    live = rows < thread_rows
+    # The grid is (tiles of a shard, output row = destination node): no per-row division.
+    node = tl.program_id(1)
+    in_shard = tl.program_id(0) * R + tl.arange(0, R)
+    live = in_shard < shard_rows
+    rows = node * shard_rows + in_shard  # thread rows of the input payload's rows
+    in_row_words = in_row_units.to(tl.int64) * IN_UNIT
     total = _sum_rows(in_words_ptr, in_scales_ptr, rows, live, peers, in_row_words, in_code_words, IN_BITS, GROUP, T, R)
-    codes, scales = quantize_rows(total, seed, rows.to(tl.int64) * T, R, T, GROUP, OUT_BITS, STOCHASTIC)
-    # Output row (destination node) and thread row within it.
-    node = (rows // shard_rows).to(tl.int64)
+    codes, scales = quantize_columns(total, seed, rows.to(tl.int64) * T, R, T, GROUP, OUT_BITS, STOCHASTIC)
     TW: tl.constexpr = T * OUT_BITS // 32
-    store_rows(
-        out_words_ptr, node * out_row_words + (rows % shard_rows) * TW, live, pack_rows(codes, R, T, OUT_BITS), R, TW
-    )
+    out_row = node.to(tl.int64) * out_row_units * OUT_UNIT
+    store_columns(out_words_ptr, out_row + in_shard.to(tl.int64) * TW, live, pack_columns(codes, T, OUT_BITS), TW)
     RPG: tl.constexpr = GROUP // T
     heads = tl.program_id(0) * R + tl.arange(0, R // RPG) * RPG  # each group's first thread row
-    scale_at = (heads // shard_rows).to(tl.int64) * out_row_words + out_code_words + (heads % shard_rows) // RPG
-    tl.store(out_scales_ptr + scale_at, scales, mask=heads < thread_rows)
+    tl.store(out_scales_ptr + out_row + out_code_words + heads // RPG, scales, mask=heads < shard_rows)
 
 
 @triton.jit
@@ -129,22 +145,22 @@ def _decode_sum_kernel(
     out_ptr,  # fp32 [S], the gradient shard
     peers,  # P
     thread_rows,  # S // T
-    row_words,
+    row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # S * BITS // 32
+    ROW_UNIT: tl.constexpr,  # words; see _common.row_unit
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     T: tl.constexpr,
     R: tl.constexpr,
-    H: tl.constexpr,  # Hadamard block; 1 = no transform
-    LOG2_H: tl.constexpr,
+    LOG2_H: tl.constexpr,  # Hadamard block 2^LOG2_H; 0 = no transform
     H_SCALE: tl.constexpr,
 ):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     live = rows < thread_rows
+    row_words = row_units.to(tl.int64) * ROW_UNIT
     total = _sum_rows(words_ptr, scales_ptr, rows, live, peers, row_words, code_words, BITS, GROUP, T, R)
-    if H > 1:
-        total = hadamard_rows(total, R, T, H, LOG2_H, H_SCALE)  # normalised: its own inverse
-    store_rows(out_ptr, rows.to(tl.int64) * T, live, total, R, T)
+    total = hadamard_columns(total, R, T, LOG2_H, H_SCALE)  # normalised: its own inverse
+    store_rows_coalesced(out_ptr, rows, live, total, T)
 
 
 @torch.library.custom_op("sdp4bit::grad_requantize", mutates_args=())
@@ -156,18 +172,20 @@ def _grad_requantize(
     numel = payload.shape[1] * 8 * group_size // (in_bits * group_size + 32)  # outer * S
     shard = numel // outer
     out = torch.empty(outer, payload_row_bytes(shard, out_bits, group_size), dtype=torch.uint8, device=payload.device)
-    _requantize_kernel[config.grid(numel // T)](
+    in_unit, out_unit = row_unit(payload.shape[1] // 4), row_unit(out.shape[1] // 4)
+    _requantize_kernel[config.grid(shard // T) + (outer,)](
         *word_views("payload", payload),
         out.view(torch.int32),
         out.view(torch.float32),
         payload.shape[0],
-        numel // T,
         shard // T,
-        payload.shape[1] // 4,
+        payload.shape[1] // 4 // in_unit,
         numel * in_bits // 32,
-        out.shape[1] // 4,
+        out.shape[1] // 4 // out_unit,
         shard * out_bits // 32,
         seed,
+        IN_UNIT=in_unit,
+        OUT_UNIT=out_unit,
         IN_BITS=in_bits,
         OUT_BITS=out_bits,
         GROUP=group_size,
@@ -188,15 +206,17 @@ def _(payload, in_bits, out_bits, group_size, outer, rounding, seed):
 
 @torch.library.custom_op("sdp4bit::grad_decode_sum", mutates_args=("out",))
 def _grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: int, out: Tensor) -> None:
-    config = LaunchConfig(group_size, hadamard_size)
+    config = LaunchConfig(group_size)
     T = config.thread_row
+    unit = row_unit(payload.shape[1] // 4)
     _decode_sum_kernel[config.grid(out.numel() // T)](
         *word_views("payload", payload),
         out,
         payload.shape[0],
         out.numel() // T,
-        payload.shape[1] // 4,
+        payload.shape[1] // 4 // unit,
         out.numel() * bits // 32,
+        ROW_UNIT=unit,
         BITS=bits,
         GROUP=group_size,
         T=T,
@@ -233,9 +253,14 @@ def grad_requantize(
     stochastic = check_rounding(rounding)
     check_seed(seed)
     numel = check_payload("payload", payload, in_bits, group_size)
-    if isinstance(outer, bool) or not isinstance(outer, int) or outer < 1 or numel % (outer * group_size):
+    if (
+        isinstance(outer, bool)
+        or not isinstance(outer, int)
+        or not 1 <= outer <= MAX_GRID_Y
+        or numel % (outer * group_size)
+    ):
         raise ValueError(
-            f"outer must be a positive integer that splits a payload row of {numel} elements into "
+            f"outer must be an integer from 1 to {MAX_GRID_Y} that splits a payload row of {numel} elements into "
             f"shards of whole groups of {group_size}, got {outer!r}"
         )
     rounding = (Rounding.STOCHASTIC if stochastic else Rounding.NEAREST).value

@@ -18,6 +18,17 @@ from torch import Tensor
 from lightning_sdp4bit.config import Rounding, check_bits
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
+from ._columns import (
+    dequantize_columns,
+    load_columns,
+    load_per_row,
+    pack_columns,
+    quantize_columns,
+    round_to_bf16,
+    store_columns,
+    tl,
+    triton,
+)
 from ._common import (
     LaunchConfig,
     check_group_and_hadamard,
@@ -25,15 +36,7 @@ from ._common import (
     check_rounding,
     check_seed,
     check_tensor,
-    load_per_row,
-    load_rows,
-    pack_rows,
-    quantize_rows,
-    round_to_bf16,
-    store_rows,
-    tl,
-    triton,
-    unpack_rows,
+    row_unit,
     word_views,
 )
 
@@ -42,7 +45,7 @@ __all__ = ["weight_update_apply", "weight_update_encode"]
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _encode_kernel(
     master_ptr,  # fp32 or bf16 [S]
     weights_ptr,  # bf16 or fp32 [S]; unused without HAS_WEIGHTS
@@ -61,15 +64,20 @@ def _encode_kernel(
     rows = tl.program_id(0) * R + tl.arange(0, R)
     live = rows < thread_rows
     first = rows.to(tl.int64) * T  # flat index of each row's first element
-    x = load_rows(master_ptr, first, live, R, T).to(tl.float32)
+    x = load_columns(master_ptr, first, live, T)
     if HAS_WEIGHTS:
         # The difference against what every rank holds: master rounded to the weights' dtype.
-        if weights_ptr.dtype.element_ty == tl.bfloat16:
-            x = round_to_bf16(x)
-        x = x - load_rows(weights_ptr, first, live, R, T).to(tl.float32)
-    codes, scales = quantize_rows(x, seed, first, R, T, GROUP, BITS, STOCHASTIC)
+        weights = load_columns(weights_ptr, first, live, T)
+        difference = ()
+        for i in tl.static_range(T):
+            if weights_ptr.dtype.element_ty == tl.bfloat16:
+                difference = difference + (round_to_bf16(x[i]) - weights[i],)
+            else:
+                difference = difference + (x[i] - weights[i],)
+        x = difference
+    codes, scales = quantize_columns(x, seed, first, R, T, GROUP, BITS, STOCHASTIC)
     TW: tl.constexpr = T * BITS // 32
-    store_rows(words_ptr, rows.to(tl.int64) * TW, live, pack_rows(codes, R, T, BITS), R, TW)
+    store_columns(words_ptr, rows.to(tl.int64) * TW, live, pack_columns(codes, T, BITS), TW)
     groups = tl.program_id(0) * (R * T // GROUP) + tl.arange(0, R * T // GROUP)
     tl.store(scales_ptr + code_words + groups, scales, mask=groups < thread_rows // (GROUP // T))
 
@@ -81,8 +89,9 @@ def _apply_kernel(
     weights_ptr,  # bf16 or fp32 [W * S], updated in place
     thread_rows,  # W * S // T
     shard_rows,  # S // T: thread rows per payload row
-    row_words,  # row_bytes // 4
+    row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # S * BITS // 32: the word of a row where its scales start
+    ROW_UNIT: tl.constexpr,  # words; see _common.row_unit
     ADDITIVE: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -93,16 +102,24 @@ def _apply_kernel(
     live = rows < thread_rows
     sender = (rows // shard_rows).to(tl.int64)  # payload row = the rank that sent this shard
     local = rows % shard_rows
+    row_words = row_units.to(tl.int64) * ROW_UNIT
     TW: tl.constexpr = T * BITS // 32
-    words = load_rows(words_ptr, sender * row_words + local * TW, live, R, TW)
-    scale = load_per_row(scales_ptr, sender * row_words + code_words + local // (GROUP // T), live, R)
-    values = unpack_rows(words, R, T, BITS) * scale
+    words = load_columns(words_ptr, sender * row_words + local * TW, live, TW)
+    scale = load_per_row(scales_ptr, sender * row_words + code_words + local // (GROUP // T), live)
+    values = dequantize_columns(words, scale, T, BITS)
     first = rows.to(tl.int64) * T
     if ADDITIVE:
-        values = load_rows(weights_ptr, first, live, R, T).to(tl.float32) + values
+        weights = load_columns(weights_ptr, first, live, T)
+        total = ()
+        for i in tl.static_range(T):
+            total = total + (weights[i] + values[i],)
+        values = total
     if weights_ptr.dtype.element_ty == tl.bfloat16:
-        values = round_to_bf16(values)
-    store_rows(weights_ptr, first, live, values.to(weights_ptr.dtype.element_ty), R, T)
+        rounded = ()
+        for i in tl.static_range(T):
+            rounded = rounded + (round_to_bf16(values[i]),)
+        values = rounded
+    store_columns(weights_ptr, first, live, values, T)
 
 
 @torch.library.custom_op("sdp4bit::weight_update_encode", mutates_args=())
@@ -139,15 +156,22 @@ def _(master, weights, bits, group_size, rounding, seed):
 
 @torch.library.custom_op("sdp4bit::weight_update_apply", mutates_args=("weights",))
 def _weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> None:
-    config = LaunchConfig(group_size)
+    # It only dequantizes, so a thread row can be one 16-byte vector of weights (and at least one
+    # word of codes): a warp's accesses are then contiguous, where 64-byte bf16 rows left half of
+    # every sector to a later load, and the loads came late enough to miss L1 (61-66% of the
+    # copy bandwidth). Four rows per thread keep four vectors in flight.
+    thread_row = max(16 // weights.element_size(), 32 // bits)
+    config = LaunchConfig(group_size, thread_row, rows_per_thread=4)
     shard = weights.numel() // payload.shape[0]
+    unit = row_unit(payload.shape[1] // 4)
     _apply_kernel[config.grid(weights.numel() // config.thread_row)](
         *word_views("payload", payload),
         weights,
         weights.numel() // config.thread_row,
         shard // config.thread_row,
-        payload.shape[1] // 4,
+        payload.shape[1] // 4 // unit,
         shard * bits // 32,
+        ROW_UNIT=unit,
         ADDITIVE=additive,
         BITS=bits,
         GROUP=group_size,
