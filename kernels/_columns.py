@@ -28,8 +28,11 @@ other lanes, through the same masked sums across lanes.
   conversion, which runs at a fraction of the FP32 rate;
 - kernels are launched with `enable_fp_fusion=False`, so code * scale and a following add round
   twice, as in PyTorch, instead of being contracted into one FMA;
-- fp32 -> bf16 rounding is written out in integer ops (see `round_to_bf16`).
+- fp32 -> bf16 rounding is the GPU's cast, written out in integer ops for the interpreter
+  (see `round_to_bf16`).
 """
+
+import os
 
 try:
     import triton
@@ -38,6 +41,7 @@ except ImportError as error:  # lightning_sdp4bit.ops.kernels_available() turns 
     raise ImportError("lightning_sdp4bit.kernels needs Triton (pip install triton)") from error
 
 __all__ = [
+    "INTERPRETING",
     "dequantize_columns",
     "hadamard_columns",
     "load_columns",
@@ -51,6 +55,11 @@ __all__ = [
     "triton",
 ]
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Whether Triton runs the kernels in its CPU interpreter, as CI does. Triton reads the variable
+when a kernel is defined, i.e. when this package is imported, so this reads it then too."""
+
+_INTERPRETING = tl.constexpr(INTERPRETING)
 _ROUNDING_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23; its bit pattern is 0x4B400000
 
 
@@ -88,15 +97,22 @@ def load_columns(ptr, row_start, live, T: tl.constexpr):
 
 
 @triton.jit
+def _stack(columns, first: tl.constexpr, C: tl.constexpr):
+    """Columns first .. first + C - 1 as a tile [C, R], by constant selects that fold away."""
+    lane = tl.arange(0, C)[:, None]
+    tile = columns[first + C - 1][None, :]
+    for c in tl.static_range(C - 1):
+        tile = tl.where(lane == c, columns[first + c][None, :], tile)
+    return tile
+
+
+@triton.jit
 def store_columns(ptr, row_start, live, columns, T: tl.constexpr):
     """Store T columns [R] as rows at ptr + row_start[r] where live, cast to ptr's dtype."""
     C: tl.constexpr = min(T, 128 // ptr.dtype.element_ty.primitive_bitwidth)
     lane = tl.arange(0, C)[:, None]
     for vector in tl.static_range(T // C):
-        tile = columns[vector * C + C - 1][None, :]
-        for c in tl.static_range(C - 1):
-            tile = tl.where(lane == c, columns[vector * C + c][None, :], tile)
-        tile = tile.to(ptr.dtype.element_ty)
+        tile = _cast(_stack(columns, vector * C, C), ptr.dtype.element_ty)
         tl.store(ptr + row_start[None, :] + (vector * C) + lane, tile, mask=live[None, :])
 
 
@@ -108,12 +124,8 @@ def store_rows_coalesced(ptr, rows, live, columns, T: tl.constexpr):
     memory): a warp then writes whole sectors, where 16-byte pieces of rows 128 bytes apart
     (`store_columns` of fp32 rows) made the L2 take every sector in two halves.
     """
-    lane = tl.arange(0, T)[:, None]
-    tile = columns[T - 1][None, :]
-    for c in tl.static_range(T - 1):
-        tile = tl.where(lane == c, columns[c][None, :], tile)
     offsets = rows.to(tl.int64)[:, None] * T + tl.arange(0, T)[None, :]
-    tl.store(ptr + offsets, tl.trans(tile).to(ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(ptr + offsets, _cast(tl.trans(_stack(columns, 0, T)), ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
@@ -175,14 +187,24 @@ def hadamard_columns(x, R: tl.constexpr, T: tl.constexpr, LOG2_H: tl.constexpr, 
 
 @triton.jit
 def round_to_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), returned as fp32.
+    """fp32 -> the nearest bf16 value (ties to even), returned as fp32; NaN stays NaN.
 
-    Integer ops, because Triton's interpreter truncates fp32 -> bf16 casts; on the GPU this is
-    exactly cvt.rn.bf16.f32, what torch's .to(torch.bfloat16) does. NaN stays NaN.
+    On the GPU that is the cast itself (cvt.rn.bf16.f32, what torch's .to(torch.bfloat16) does).
+    Triton's interpreter truncates such casts, so there it is written out in integer ops.
     """
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+    if _INTERPRETING:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """fp32 x to dtype, rounding to nearest even in the interpreter too (see `round_to_bf16`)."""
+    if dtype == tl.bfloat16:
+        x = round_to_bf16(x)
+    return x.to(dtype)
 
 
 @triton.jit

@@ -2,8 +2,6 @@
 the launch settings, the argument checks and the payload views.
 """
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -11,7 +9,7 @@ from lightning_sdp4bit.config import Rounding
 from lightning_sdp4bit.reference.hadamard import hadamard_scale
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
-from ._columns import triton
+from ._columns import INTERPRETING, triton
 
 __all__ = [
     "INTERPRETING",
@@ -23,7 +21,7 @@ __all__ = [
     "check_seed",
     "check_tensor",
     "hadamard_constants",
-    "row_unit",
+    "row_length",
     "word_views",
 ]
 
@@ -66,11 +64,6 @@ class LaunchConfig:
 
 # ------------------------------------------------------------------------------------------------
 # Argument checks: each raises a ValueError that names the offending parameter.
-
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether Triton runs the kernels in its CPU interpreter, as CI does. Triton reads the variable
-when a kernel is defined, i.e. when this package is imported, so this reads it then too."""
 
 
 def check_tensor(name: str, tensor: Tensor, dtypes: tuple[torch.dtype, ...], ndim: int) -> None:
@@ -144,12 +137,15 @@ def word_views(name: str, payload: Tensor) -> tuple[Tensor, Tensor]:
     return payload.view(torch.int32), payload.view(torch.float32)
 
 
-def row_unit(row_words: int) -> int:
-    """The largest of 4, 2 and 1 words that divides a payload row. Kernels take a row's length in
-    these units and multiply by the unit, a constexpr, so that Triton knows every row starts
-    aligned for 16-byte (or 8-byte) vector accesses, even where the length is not a multiple of
-    16 (the only divisibility Triton detects by itself)."""
-    return 4 if row_words % 4 == 0 else 2 if row_words % 2 == 0 else 1
+def row_length(payload: Tensor) -> tuple[int, int]:
+    """A payload row's length as (count, unit): count units of `unit` words, where unit is the
+    largest of 4, 2 and 1 that divides the row. Kernels take the count as an argument and the unit
+    as a constexpr and multiply them, so that Triton knows every row starts aligned for 16-byte
+    (or 8-byte) vector accesses, even where the length is not a multiple of 16 (the only
+    divisibility Triton detects by itself)."""
+    words = payload.shape[1] // 4
+    unit = 4 if words % 4 == 0 else 2 if words % 2 == 0 else 1
+    return words // unit, unit
 
 
 def hadamard_constants(hadamard_size: int) -> dict:

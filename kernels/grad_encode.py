@@ -25,7 +25,7 @@ from ._common import (
     check_seed,
     check_tensor,
     hadamard_constants,
-    row_unit,
+    row_length,
 )
 
 __all__ = ["grad_encode"]
@@ -42,7 +42,7 @@ def _grad_encode_kernel(
     row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # outer * S * BITS // 32: the word of a row where its scales start
     seed,
-    ROW_UNIT: tl.constexpr,  # words; see _common.row_unit
+    ROW_UNIT: tl.constexpr,  # words; see _common.row_length
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     T: tl.constexpr,
@@ -94,6 +94,7 @@ def _grad_encode(
     payload = torch.empty(chunks, payload_row_bytes(row_numel, bits, group_size), dtype=torch.uint8, device=grad.device)
     T = config.thread_row
     shard_rows = row_numel // outer // T
+    row_units, unit = row_length(payload)
     _grad_encode_kernel[config.grid(shard_rows) + (outer * chunks,)](
         grad,
         payload.view(torch.int32),
@@ -101,10 +102,10 @@ def _grad_encode(
         row_numel // T,
         shard_rows,
         chunks,
-        payload.shape[1] // 4 // row_unit(payload.shape[1] // 4),
+        row_units,
         row_numel * bits // 32,
         seed,
-        ROW_UNIT=row_unit(payload.shape[1] // 4),
+        ROW_UNIT=unit,
         BITS=bits,
         GROUP=group_size,
         T=T,

@@ -41,7 +41,7 @@ from ._common import (
     check_seed,
     check_tensor,
     hadamard_constants,
-    row_unit,
+    row_length,
     word_views,
 )
 
@@ -113,7 +113,7 @@ def _requantize_kernel(
     out_row_units,  # out row_bytes // (4 * OUT_UNIT)
     out_code_words,  # S * OUT_BITS // 32
     seed,
-    IN_UNIT: tl.constexpr,  # words; see _common.row_unit
+    IN_UNIT: tl.constexpr,  # words; see _common.row_length
     OUT_UNIT: tl.constexpr,
     IN_BITS: tl.constexpr,
     OUT_BITS: tl.constexpr,
@@ -147,7 +147,7 @@ def _decode_sum_kernel(
     thread_rows,  # S // T
     row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # S * BITS // 32
-    ROW_UNIT: tl.constexpr,  # words; see _common.row_unit
+    ROW_UNIT: tl.constexpr,  # words; see _common.row_length
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     T: tl.constexpr,
@@ -172,16 +172,16 @@ def _grad_requantize(
     numel = payload.shape[1] * 8 * group_size // (in_bits * group_size + 32)  # outer * S
     shard = numel // outer
     out = torch.empty(outer, payload_row_bytes(shard, out_bits, group_size), dtype=torch.uint8, device=payload.device)
-    in_unit, out_unit = row_unit(payload.shape[1] // 4), row_unit(out.shape[1] // 4)
+    (in_units, in_unit), (out_units, out_unit) = row_length(payload), row_length(out)
     _requantize_kernel[config.grid(shard // T) + (outer,)](
         *word_views("payload", payload),
         out.view(torch.int32),
         out.view(torch.float32),
         payload.shape[0],
         shard // T,
-        payload.shape[1] // 4 // in_unit,
+        in_units,
         numel * in_bits // 32,
-        out.shape[1] // 4 // out_unit,
+        out_units,
         shard * out_bits // 32,
         seed,
         IN_UNIT=in_unit,
@@ -208,13 +208,13 @@ def _(payload, in_bits, out_bits, group_size, outer, rounding, seed):
 def _grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: int, out: Tensor) -> None:
     config = LaunchConfig(group_size)
     T = config.thread_row
-    unit = row_unit(payload.shape[1] // 4)
+    row_units, unit = row_length(payload)
     _decode_sum_kernel[config.grid(out.numel() // T)](
         *word_views("payload", payload),
         out,
         payload.shape[0],
         out.numel() // T,
-        payload.shape[1] // 4 // unit,
+        row_units,
         out.numel() * bits // 32,
         ROW_UNIT=unit,
         BITS=bits,

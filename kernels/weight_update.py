@@ -36,7 +36,7 @@ from ._common import (
     check_rounding,
     check_seed,
     check_tensor,
-    row_unit,
+    row_length,
     word_views,
 )
 
@@ -91,7 +91,7 @@ def _apply_kernel(
     shard_rows,  # S // T: thread rows per payload row
     row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # S * BITS // 32: the word of a row where its scales start
-    ROW_UNIT: tl.constexpr,  # words; see _common.row_unit
+    ROW_UNIT: tl.constexpr,  # words; see _common.row_length
     ADDITIVE: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -114,11 +114,6 @@ def _apply_kernel(
         for i in tl.static_range(T):
             total = total + (weights[i] + values[i],)
         values = total
-    if weights_ptr.dtype.element_ty == tl.bfloat16:
-        rounded = ()
-        for i in tl.static_range(T):
-            rounded = rounded + (round_to_bf16(values[i]),)
-        values = rounded
     store_columns(weights_ptr, first, live, values, T)
 
 
@@ -163,13 +158,13 @@ def _weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size
     thread_row = max(16 // weights.element_size(), 32 // bits)
     config = LaunchConfig(group_size, thread_row, rows_per_thread=4)
     shard = weights.numel() // payload.shape[0]
-    unit = row_unit(payload.shape[1] // 4)
+    row_units, unit = row_length(payload)
     _apply_kernel[config.grid(weights.numel() // config.thread_row)](
         *word_views("payload", payload),
         weights,
         weights.numel() // config.thread_row,
         shard // config.thread_row,
-        payload.shape[1] // 4 // unit,
+        row_units,
         shard * bits // 32,
         ROW_UNIT=unit,
         ADDITIVE=additive,
