@@ -50,16 +50,33 @@ MAX_GRID_Y = 65535
 
 
 class LaunchConfig:
-    """T (elements per thread row), R (thread rows per program) and warps for one call."""
+    """T (elements per thread row), R (thread rows per program), warps and registers for one call.
 
-    def __init__(self, group_size: int, thread_row: int = THREAD_ROW, rows_per_thread: int = 1) -> None:
+    max_registers becomes ptxas's register limit (Triton's `maxnreg`). Without one, ptxas may keep
+    the count low by making a load wait until the data of an earlier one has been used, which
+    costs a memory round trip. With a limit, it spends registers up to it on loads in flight.
+    Only weight_update_encode sets one, measured on the H200 (see its launcher).
+    """
+
+    def __init__(
+        self,
+        group_size: int,
+        thread_row: int = THREAD_ROW,
+        rows_per_thread: int = 1,
+        max_registers: int | None = None,
+    ) -> None:
         self.thread_row = thread_row
         # A larger group takes more warps, so that it stays in one program.
         self.num_warps = max(NUM_WARPS, group_size // thread_row // (32 * rows_per_thread))
         self.rows = 32 * self.num_warps * rows_per_thread
+        self.max_registers = max_registers
 
     def grid(self, thread_rows: int) -> tuple[int]:
         return (triton.cdiv(thread_rows, self.rows),)
+
+    def options(self) -> dict:
+        """The launch's compile options. FMA contraction stays off: see `_columns` on bit-exactness."""
+        return {"num_warps": self.num_warps, "enable_fp_fusion": False, "maxnreg": self.max_registers}
 
 
 # ------------------------------------------------------------------------------------------------

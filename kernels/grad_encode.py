@@ -112,8 +112,7 @@ def _grad_encode(
         R=config.rows,
         STOCHASTIC=rounding == Rounding.STOCHASTIC.value,
         **hadamard_constants(hadamard_size),
-        num_warps=config.num_warps,
-        enable_fp_fusion=False,
+        **config.options(),
     )
     return payload
 

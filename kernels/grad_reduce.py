@@ -7,7 +7,7 @@
   gradient shard `out` [S].
 
 The P rows are summed strictly in order 0, 1, ..., P-1, as the reference's `_sum_rows` does, so
-that the sums are bit-identical. Twins: `torch_grad_requantize` and
+that the sums are bit-identical. P is a constexpr: see UNROLLED_PEERS. Twins: `torch_grad_requantize` and
 `torch_grad_decode_sum` in `lightning_sdp4bit.reference.ops`.
 
 Bytes per element of the sum: both read P * (bits/8 + 4/group); requantize writes
@@ -48,10 +48,53 @@ from ._common import (
 __all__ = ["grad_decode_sum", "grad_requantize"]
 
 
-PEERS_PER_STEP = tl.constexpr(4)
-"""Peers whose rows one loop step loads before it adds any. Measured on the H200 (paper
-settings, 1 GiB): 4 beat 2 (grad_requantize 85% of the copy bandwidth against 83%) and 8 (78%;
-grad_decode_sum 56% against 82%, more registers)."""
+LOADS_AHEAD = tl.constexpr(4)
+"""Peers whose rows are loaded before any of them is added. Measured on the H200 (paper
+settings, 1 GiB, before P became a constexpr): 4 beat 2 and 8."""
+
+UNROLLED_PEERS = tl.constexpr(8)
+"""Peers per step of the loop over P. P is a constexpr (one compilation per peer count, which a
+job keeps), so up to this many peers the summing code is straight-line and ptxas can put all
+their loads in flight. With P a run-time loop bound it issued each peer's loads only after the
+previous peer's adds, one memory round trip per peer (grad_requantize, 8 peers: 85% -> 93% of the
+H200's copy bandwidth at 1 GiB). A larger step would only lengthen compilation: 16 peers
+unrolled compile in 11 s, 64 in two minutes."""
+
+
+@triton.jit
+def _add_peers(
+    total,
+    words_ptr,
+    scales_ptr,
+    first,
+    count: tl.constexpr,
+    word_at,
+    scale_at,
+    live,
+    row_words,
+    BITS: tl.constexpr,
+    T: tl.constexpr,
+):
+    """total (T fp32 columns) plus payload rows first, ..., first + count - 1 of the thread rows
+    at word_at / scale_at, added in row order; each LOADS_AHEAD rows are loaded before the first
+    of them is added."""
+    TW: tl.constexpr = T * BITS // 32
+    for ahead in tl.static_range(0, count, LOADS_AHEAD):
+        words = ()
+        scales = ()
+        for step in tl.static_range(LOADS_AHEAD):
+            if ahead + step < count:
+                offset = (first + ahead + step) * row_words
+                words = words + (load_columns(words_ptr, offset + word_at, live, TW),)
+                scales = scales + (load_per_row(scales_ptr, offset + scale_at, live),)
+        for step in tl.static_range(LOADS_AHEAD):
+            if ahead + step < count:
+                term = dequantize_columns(words[step], scales[step], T, BITS)
+                added = ()
+                for i in tl.static_range(T):
+                    added = added + (total[i] + term[i],)
+                total = added
+    return total
 
 
 @triton.jit
@@ -60,20 +103,19 @@ def _sum_rows(
     scales_ptr,
     rows,
     live,
-    peers,
     row_words,  # int64
     code_words,
+    PEERS: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     T: tl.constexpr,
     R: tl.constexpr,
 ):
-    """fp32 columns: thread rows `rows` of the P payload rows, dequantized and summed in row order.
+    """fp32 columns: thread rows `rows` of the PEERS payload rows, dequantized and summed in row order.
 
     Each term is code * scale, then a separate add (the launch disables FMA contraction), like
     PyTorch. The sum starts from +0.0, which adds exactly to the first term because no term is
-    -0.0 (a zero code gives +0.0, and a zero scale comes only with zero codes); peers past P
-    read as zero words and scales, so they add +0.0 terms, again exactly.
+    -0.0 (a zero code gives +0.0, and a zero scale comes only with zero codes).
     """
     TW: tl.constexpr = T * BITS // 32
     word_at = rows.to(tl.int64) * TW
@@ -81,23 +123,12 @@ def _sum_rows(
     total = ()
     for _ in tl.static_range(T):
         total = total + (tl.zeros([R], tl.float32),)
-    for first in range(0, peers, PEERS_PER_STEP):
-        # The step's loads first, then its adds in peer order. (ptxas still issues the loads
-        # one after another, as the SASS shows; see benchmarks/results/kernels_h200_*.md.)
-        words = ()
-        scales = ()
-        for step in tl.static_range(PEERS_PER_STEP):
-            valid = live & (tl.zeros_like(rows) + (first + step) < peers)  # a tensor: the interpreter needs one
-            offset = (first + step) * row_words
-            words = words + (load_columns(words_ptr, offset + word_at, valid, TW),)
-            scales = scales + (load_per_row(scales_ptr, offset + scale_at, valid),)
-        for step in tl.static_range(PEERS_PER_STEP):
-            term = dequantize_columns(words[step], scales[step], T, BITS)
-            added = ()
-            for i in tl.static_range(T):
-                added = added + (total[i] + term[i],)
-            total = added
-    return total
+    LOOPED: tl.constexpr = PEERS // UNROLLED_PEERS * UNROLLED_PEERS
+    for first in range(0, LOOPED, UNROLLED_PEERS):
+        total = _add_peers(
+            total, words_ptr, scales_ptr, first, UNROLLED_PEERS, word_at, scale_at, live, row_words, BITS, T
+        )
+    return _add_peers(total, words_ptr, scales_ptr, LOOPED, PEERS - LOOPED, word_at, scale_at, live, row_words, BITS, T)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -106,13 +137,13 @@ def _requantize_kernel(
     in_scales_ptr,  # the same payload viewed as fp32
     out_words_ptr,  # the inter-node payload [outer, row_bytes(S)] viewed as int32 words
     out_scales_ptr,  # the same payload viewed as fp32
-    peers,  # P
     shard_rows,  # S // T: thread rows per output row
     in_row_units,  # in row_bytes // (4 * IN_UNIT)
     in_code_words,  # outer * S * IN_BITS // 32
     out_row_units,  # out row_bytes // (4 * OUT_UNIT)
     out_code_words,  # S * OUT_BITS // 32
     seed,
+    PEERS: tl.constexpr,  # P
     IN_UNIT: tl.constexpr,  # words; see _common.row_length
     OUT_UNIT: tl.constexpr,
     IN_BITS: tl.constexpr,
@@ -128,7 +159,7 @@ def _requantize_kernel(
     live = in_shard < shard_rows
     rows = node * shard_rows + in_shard  # thread rows of the input payload's rows
     in_row_words = in_row_units.to(tl.int64) * IN_UNIT
-    total = _sum_rows(in_words_ptr, in_scales_ptr, rows, live, peers, in_row_words, in_code_words, IN_BITS, GROUP, T, R)
+    total = _sum_rows(in_words_ptr, in_scales_ptr, rows, live, in_row_words, in_code_words, PEERS, IN_BITS, GROUP, T, R)
     codes, scales = quantize_columns(total, seed, rows.to(tl.int64) * T, R, T, GROUP, OUT_BITS, STOCHASTIC)
     TW: tl.constexpr = T * OUT_BITS // 32
     out_row = node.to(tl.int64) * out_row_units * OUT_UNIT
@@ -143,10 +174,10 @@ def _decode_sum_kernel(
     words_ptr,  # the inter-node payload [P, row_bytes(S)] viewed as int32 words
     scales_ptr,  # the same payload viewed as fp32
     out_ptr,  # fp32 [S], the gradient shard
-    peers,  # P
     thread_rows,  # S // T
     row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # S * BITS // 32
+    PEERS: tl.constexpr,  # P
     ROW_UNIT: tl.constexpr,  # words; see _common.row_length
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -158,7 +189,7 @@ def _decode_sum_kernel(
     rows = tl.program_id(0) * R + tl.arange(0, R)
     live = rows < thread_rows
     row_words = row_units.to(tl.int64) * ROW_UNIT
-    total = _sum_rows(words_ptr, scales_ptr, rows, live, peers, row_words, code_words, BITS, GROUP, T, R)
+    total = _sum_rows(words_ptr, scales_ptr, rows, live, row_words, code_words, PEERS, BITS, GROUP, T, R)
     total = hadamard_columns(total, R, T, LOG2_H, H_SCALE)  # normalised: its own inverse
     store_rows_coalesced(out_ptr, rows, live, total, T)
 
@@ -177,13 +208,13 @@ def _grad_requantize(
         *word_views("payload", payload),
         out.view(torch.int32),
         out.view(torch.float32),
-        payload.shape[0],
         shard // T,
         in_units,
         numel * in_bits // 32,
         out_units,
         shard * out_bits // 32,
         seed,
+        PEERS=payload.shape[0],
         IN_UNIT=in_unit,
         OUT_UNIT=out_unit,
         IN_BITS=in_bits,
@@ -212,10 +243,10 @@ def _grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size:
     _decode_sum_kernel[config.grid(out.numel() // T)](
         *word_views("payload", payload),
         out,
-        payload.shape[0],
         out.numel() // T,
         row_units,
         out.numel() * bits // 32,
+        PEERS=payload.shape[0],
         ROW_UNIT=unit,
         BITS=bits,
         GROUP=group_size,

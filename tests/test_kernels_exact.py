@@ -120,6 +120,8 @@ REQUANTIZE_CASES = [
     (2, 4, 64, 5, 2, 7 * 64),
     (8, 8, 512, 1, 4, 512),
     (4, 4, 128, 3, 1, 77 * 128),
+    (8, 4, 128, 8, 2, 256),  # one straight-line step of UNROLLED_PEERS
+    (4, 4, 64, 19, 1, 64),  # two loop steps and a tail of 3
 ]
 
 
@@ -140,6 +142,8 @@ DECODE_CASES = [
     (8, 512, 64, 1, 3 * 512),
     (4, 256, 128, 2, 9 * 256),
     (2, 128, 32, 3, 77 * 128),
+    (4, 128, 32, 16, 256),  # two loop steps of UNROLLED_PEERS, no tail
+    (4, 64, 0, 9, 64),  # one loop step and a tail of 1
 ]
 
 
