@@ -4,10 +4,15 @@
     python benchmarks/kernels.py --sizes 256,1024       # input sizes in MiB
     python benchmarks/kernels.py --no-compile           # skip torch.compile of the references
     python benchmarks/kernels.py --markdown out.md      # also write the tables as Markdown
+    python benchmarks/kernels.py --flush write          # evict the L2 as triton.testing.do_bench does
 
-For each op and input size it times (triton.testing.do_bench, median) three implementations: the
-eager reference (`lightning_sdp4bit.reference.ops`), the same reference under
-torch.compile(dynamic=True), and our Triton kernel. GB/s counts the fewest bytes each must move:
+For each op and input size it times three implementations: the eager reference
+(`lightning_sdp4bit.reference.ops`), the same reference under torch.compile(dynamic=True), and
+our Triton kernel. Each call is timed alone with CUDA events, after the L2 has been emptied of
+its data, and the table gives the median. By default the L2 is emptied by reading a 256 MiB
+buffer. `--flush write` zeroes the buffer instead, as triton.testing.do_bench does, which leaves
+the L2 full of dirty lines: the timed call then pays for writing them back, 4 to 7 us on the
+H200 that are not its own, a visible share of a 100 us call. GB/s counts the fewest bytes each must move:
 every input read once and every output written once. "% copy" compares that with a
 device-to-device copy of 1 GiB measured in the same run (bytes read + written). Sizes up to
 --check-up-to are checked first: the kernel with nearest rounding must give the bytes of the
@@ -26,6 +31,7 @@ The ops run with the paper's settings and its rounding (stochastic), for 4 nodes
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -143,15 +149,45 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+class Timer:
+    """Median milliseconds of one call, each call timed alone with CUDA events after the L2 has
+    been emptied of the call's data by streaming a 256 MiB buffer through it (read or written,
+    see the module docstring). About 100 ms of calls are timed, at least 10, after about 250 ms of
+    warm-up."""
+
+    def __init__(self, flush: str) -> None:
+        self._buffer = torch.empty(256 * MiB // 4, dtype=torch.int32, device="cuda")
+        self._evict = self._buffer.zero_ if flush == "write" else self._buffer.sum
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate = max(start.elapsed_time(end) / 5, 1e-3)
+        for _ in range(int(250 / estimate)):  # long enough for the clocks to come back up after a compile
+            fn()
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(max(10, int(100 / estimate)))
+        ]
+        for start, end in events:
+            self._evict()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth(timer: Timer) -> float:
     """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    return 2 * src.numel() / _time_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / timer(lambda: dst.copy_(src)) / 1e6
 
 
 def check(case: Case) -> bool:
@@ -172,14 +208,18 @@ def main(argv: list[str] | None = None) -> None:
         "--check-up-to", type=float, default=16, help="check bytes against the CPU reference up to this size (MiB)"
     )
     parser.add_argument("--markdown", help="also write the tables to this Markdown file")
+    parser.add_argument(
+        "--flush", default="read", choices=["read", "write"], help="how the L2 is emptied before each timed call"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
-    copy = copy_bandwidth()
+    timer = Timer(args.flush)
+    copy = copy_bandwidth(timer)
     header = (
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-        f"device-to-device copy: {copy:.0f} GB/s; rounding: {args.rounding}"
+        f"device-to-device copy: {copy:.0f} GB/s; rounding: {args.rounding}; L2 emptied by a {args.flush}"
     )
     print(header, flush=True)
     lines = [header, ""]
@@ -211,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                 if impl is None:
                     cells += ["-", "-", "-"]
                     continue
-                ms = _time_ms(lambda impl=impl, call=call: impl(*call))
+                ms = timer(lambda impl=impl, call=call: impl(*call))
                 gbs = moved / ms / 1e6
                 cells += [f"{ms:.3f}", f"{gbs:.0f}", f"{100 * gbs / copy:.0f}"]
             rows.append("| " + " | ".join(cells) + " |")
