@@ -1,8 +1,9 @@
 """The jit helpers the five kernels are built from: a tile held as *columns*, and the loads,
 stores, Hadamard butterflies, quantization, noise and bit packing that work on it.
 
-**Tile convention.** A program owns R *thread rows* of T = 32 contiguous elements, one thread
-row per thread (lanes, then warps, run along the rows). The tile is a Python tuple of T tensors
+**Tile convention.** A program owns R *thread rows* of T contiguous elements (32, or 16 where
+a launcher says why), one thread row per thread and lane, the lanes, then the warps, then
+repeats running along the rows: thread row r is in lane r % 32. The tile is a Python tuple of T tensors
 [R], its *columns*: column t holds element t of every thread row. All arithmetic is then
 element-wise on [R] tensors that share one layout, so Triton never moves data between
 threads or through shared memory, whatever its version; a butterfly, a group's absmax within
@@ -16,7 +17,7 @@ Stores assemble [C, R] tiles with constant selects the same way.
 
 A quantization group is GROUP // T consecutive thread rows; its absmax is a per-thread max over
 the columns, then a max across GROUP // T lanes (or warps). Hadamard blocks above T pair rows in
-other lanes, through the same masked sums across lanes.
+other lanes: one shuffle each on the GPU, masked sums across lanes in the interpreter.
 
 **Bit-exactness with the reference** (`lightning_sdp4bit.reference`), on finite input:
 - the Hadamard transform runs the reference's butterfly stages in its order, then one
@@ -147,12 +148,28 @@ def per_row(per_group, R: tl.constexpr, RPG: tl.constexpr):
 @triton.jit
 def _butterfly_across_rows(column, R: tl.constexpr, M: tl.constexpr):
     """One butterfly stage between thread rows M apart, pairs in 2M-row blocks: (a, b) -> (a + b, a - b)."""
-    pairs = tl.reshape(column.to(tl.int32, bitcast=True), [R // (2 * M), 2, M])
-    side = tl.arange(0, 2)[None, :, None]
-    # Each side's value reaches both rows of a pair by an integer sum with 0 (exact, -0.0 too).
-    a = tl.sum(tl.where(side == 0, pairs, 0), axis=1)[:, None, :].to(tl.float32, bitcast=True)
-    b = tl.sum(tl.where(side == 1, pairs, 0), axis=1)[:, None, :].to(tl.float32, bitcast=True)
-    return tl.reshape(tl.where(side == 0, a + b, a - b), [R])
+    if _INTERPRETING:
+        pairs = tl.reshape(column.to(tl.int32, bitcast=True), [R // (2 * M), 2, M])
+        side = tl.arange(0, 2)[None, :, None]
+        # Each side's value reaches both rows of a pair by an integer sum with 0 (exact, -0.0 too).
+        a = tl.sum(tl.where(side == 0, pairs, 0), axis=1)[:, None, :].to(tl.float32, bitcast=True)
+        b = tl.sum(tl.where(side == 1, pairs, 0), axis=1)[:, None, :].to(tl.float32, bitcast=True)
+        return tl.reshape(tl.where(side == 0, a + b, a - b), [R])
+    # Thread row r is in lane r % 32 (the tile convention), so its partner r ^ M (M < 32) is in
+    # lane ^ M: one shuffle, where the masked sums cost two shuffles and four selects. Then
+    # a + b = fma(a, 1, b) and a - b = fma(b, -1, a), each rounded once, as the sum itself.
+    tl.static_assert(M < 32, "Hadamard partners must be in one warp")
+    rows = tl.arange(0, R)
+    sign = tl.where((rows & M) == 0, 1.0, -1.0)
+    partner = tl.inline_asm_elementwise(
+        "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+        "=r,r,r",
+        [column, tl.full([R], M, tl.int32)],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+    return tl.fma(column, sign, partner)
 
 
 @triton.jit
