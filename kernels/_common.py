@@ -15,6 +15,7 @@ __all__ = [
     "INTERPRETING",
     "LaunchConfig",
     "MAX_GRID_Y",
+    "SPLIT_THREAD_ROW",
     "check_group_and_hadamard",
     "check_payload",
     "check_rounding",
@@ -29,20 +30,29 @@ __all__ = [
 # Launch settings: fixed, no autotuning (see benchmarks/results/kernels_h200_*.md).
 
 THREAD_ROW = 32
-"""T, elements per thread row: 128 bytes of fp32 = 8 vector loads in flight per thread, and a
-whole word of codes at every width (32 / bits <= 16 codes)."""
+"""T, elements per thread row, unless a launcher chooses otherwise: 128 bytes of fp32 = 8 vector
+loads in flight per thread, and a whole word of codes at every width (32 / bits <= 16 codes)."""
+
+SPLIT_THREAD_ROW = 16
+"""T for the two kernels that read fp32 rows (grad_encode, weight_update_encode), with two
+thread rows per thread. A warp's 16-byte loads of 128-byte rows touch 32 cache lines per
+instruction, and the L1's lookups of them (ncu: 82% of their peak for grad_encode) held those
+kernels to 82-87% of the copy bandwidth. Rows of 64 bytes, two lanes to a line, halve the
+lookups: 92-98% and 96-102% from 256 MiB on the H200 (benchmarks/results/kernels_h200_*.md).
+Still a whole word of codes at every width (16 * 2 bits = 32)."""
 
 NUM_WARPS = 2
-"""Warps per program (at least): 64 threads own R = 64 thread rows, 2048 elements."""
+"""Warps per program (at least), unless a launcher asks for fewer: 64 threads own R = 64 thread
+rows, 2048 elements."""
 
 MIN_GROUP_SIZE = 32
-"""One thread row: smaller groups would split a row's codes between scales."""
+"""One thread row of THREAD_ROW: smaller groups would split a row's codes between scales."""
 
 MAX_GROUP_SIZE = 16384
 """One group must fit in one program: 16384 / 32 = 512 thread rows, 16 warps."""
 
 MAX_HADAMARD_SIZE = 256
-"""Blocks above T = 32 pair thread rows in other lanes; 256 = 8 rows."""
+"""Blocks above T pair thread rows in other lanes; 256 = 16 rows of 16 elements."""
 
 MAX_GRID_Y = 65535
 """CUDA's limit on a grid's second dimension, which counts shards (grad_encode) or output rows
@@ -52,10 +62,12 @@ MAX_GRID_Y = 65535
 class LaunchConfig:
     """T (elements per thread row), R (thread rows per program), warps and registers for one call.
 
-    max_registers becomes ptxas's register limit (Triton's `maxnreg`). Without one, ptxas may keep
-    the count low by making a load wait until the data of an earlier one has been used, which
-    costs a memory round trip. With a limit, it spends registers up to it on loads in flight.
-    Only weight_update_encode sets one, measured on the H200 (see its launcher).
+    A program has at least min_warps warps, and more where a group needs them: a group must
+    stay in one program. max_registers becomes ptxas's register limit (Triton's `maxnreg`).
+    Without one, ptxas may keep the count low by making a load wait until the data of an earlier
+    one has been used, which costs a memory round trip. With a limit, it spends registers up to
+    it on loads in flight. Only weight_update_encode sets one, measured on the H200 (see its
+    launcher).
     """
 
     def __init__(
@@ -64,10 +76,10 @@ class LaunchConfig:
         thread_row: int = THREAD_ROW,
         rows_per_thread: int = 1,
         max_registers: int | None = None,
+        min_warps: int = NUM_WARPS,
     ) -> None:
         self.thread_row = thread_row
-        # A larger group takes more warps, so that it stays in one program.
-        self.num_warps = max(NUM_WARPS, group_size // thread_row // (32 * rows_per_thread))
+        self.num_warps = max(min_warps, group_size // thread_row // (32 * rows_per_thread))
         self.rows = 32 * self.num_warps * rows_per_thread
         self.max_registers = max_registers
 

@@ -19,6 +19,7 @@ from lightning_sdp4bit.reference.ops import payload_row_bytes
 from ._columns import hadamard_columns, load_columns, pack_columns, quantize_columns, store_columns, tl, triton
 from ._common import (
     MAX_GRID_Y,
+    SPLIT_THREAD_ROW,
     LaunchConfig,
     check_group_and_hadamard,
     check_rounding,
@@ -89,7 +90,7 @@ def _grad_encode(
     rounding: str,
     seed: int,
 ) -> Tensor:
-    config = LaunchConfig(group_size)
+    config = LaunchConfig(group_size, SPLIT_THREAD_ROW, rows_per_thread=2)
     row_numel = grad.numel() // chunks
     payload = torch.empty(chunks, payload_row_bytes(row_numel, bits, group_size), dtype=torch.uint8, device=grad.device)
     T = config.thread_row

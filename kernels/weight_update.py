@@ -30,6 +30,7 @@ from ._columns import (
     triton,
 )
 from ._common import (
+    SPLIT_THREAD_ROW,
     LaunchConfig,
     check_group_and_hadamard,
     check_payload,
@@ -124,8 +125,8 @@ def _weight_update_encode(
     numel = master.numel()
     # Up to 64 registers: with its own choice, 54, ptxas made four of a thread row's twelve loads
     # wait for registers that earlier ones freed (86% -> 91% of the copy bandwidth at 1 GiB on
-    # the H200; see LaunchConfig).
-    config = LaunchConfig(group_size, max_registers=64)
+    # the H200; see LaunchConfig). Still so with SPLIT_THREAD_ROW: 96% -> 87% at 256 MiB without.
+    config = LaunchConfig(group_size, SPLIT_THREAD_ROW, rows_per_thread=2, max_registers=64)
     payload = torch.empty(1, payload_row_bytes(numel, bits, group_size), dtype=torch.uint8, device=master.device)
     _encode_kernel[config.grid(numel // config.thread_row)](
         master,
