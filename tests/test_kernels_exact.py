@@ -101,7 +101,7 @@ GRAD_ENCODE_CASES = [
     (2, 2048, 0, 2, 2, 4096, torch.bfloat16),
     (8, 64, 0, 1, 5, 31 * 64, torch.float32),
     (4, 256, 128, 2, 3, 768, torch.float32),
-    (8, 32, 32, 1, 1, 129 * 32, torch.float32),  # two programs, the last partial
+    (8, 32, 32, 1, 1, 129 * 32, torch.float32),  # three programs, the last partial
 ]
 
 
