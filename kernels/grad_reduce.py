@@ -227,8 +227,7 @@ def _grad_requantize(
         T=T,
         R=config.rows,
         STOCHASTIC=rounding == Rounding.STOCHASTIC.value,
-        num_warps=config.num_warps,
-        enable_fp_fusion=False,
+        **config.options(),
     )
     return out
 
@@ -257,8 +256,7 @@ def _grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size:
         T=T,
         R=config.rows,
         **hadamard_constants(hadamard_size),
-        num_warps=config.num_warps,
-        enable_fp_fusion=False,
+        **config.options(),
     )
 
 
