@@ -11,7 +11,8 @@ one parameter that falls inside one rank's shard; the optimizer steps fragments.
 Per bucket (N = W * S elements):
 - model weights: [N] in the module's dtype; the parameters are views into it;
 - gradient accumulator: [N] fp32, summed over micro-batches, reduce-scattered once per step;
-- master shard, gradient shard: [S] fp32 each.
+- master shard, gradient shard: [S] fp32 each;
+- applied shard: [S] in the module's dtype, the weight shard as the last exchange left it.
 """
 
 from __future__ import annotations
@@ -88,12 +89,15 @@ def plan_buckets(
     world_size: int,
     bucket_numel: int,
     shard_alignment: int,
+    first_bucket_numel: int | None = None,
 ) -> list[BucketLayout]:
     """Cut parameters (given in registration order) into buckets, per dtype, in backward order.
 
     Gradients of the last layers are ready first in backward, so they fill bucket 0, whose
-    reduce-scatter can start while the rest of backward runs.
+    reduce-scatter can start while the rest of backward runs; `first_bucket_numel` (at most
+    `bucket_numel`) keeps that first bucket of each dtype small, so that it starts early.
     """
+    first_target = min(bucket_numel, first_bucket_numel or bucket_numel)
     buckets: list[BucketLayout] = []
     by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
     for name, shape, dtype in reversed(list(named_shapes)):
@@ -106,11 +110,12 @@ def plan_buckets(
 
     for dtype, params in by_dtype.items():
         slots: list[ParamSlot] = []
-        used = 0
+        used, target = 0, first_target
         for name, shape in params:
             slots.append(ParamSlot(name, shape, used))
             used += math.prod(shape)
-            if used >= bucket_numel:
+            if used >= target:
+                target = bucket_numel
                 close(dtype, slots, used)
                 slots, used = [], 0
         if slots:
@@ -138,6 +143,9 @@ class Bucket:
         lo, hi = layout.shard_bounds(rank)
         self.master = weights[lo:hi].float().clone()
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        # What the last weight exchange left in this rank's weight shard [S], in the weights'
+        # dtype: a difference from it is an in-place edit the masters must take in.
+        self.applied_shard = weights[lo:hi].clone()
 
     @property
     def weight_shard(self) -> Tensor:

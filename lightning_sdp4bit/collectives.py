@@ -6,7 +6,8 @@
   [N] every rank holds.
 
 `start` launches the communication asynchronously and returns a `Pending`; `Pending.progress()`
-moves a multi-stage exchange to its next stage, and `Pending.wait()` completes it. The engine
+moves a multi-stage exchange to its next stage if the current one has completed (it never
+blocks), and `Pending.wait()` completes it. The engine
 only sees this interface, so the uncompressed and the compressed variants are interchangeable
 and each can be tested on its own. All compute goes through `lightning_sdp4bit.ops` (Triton on
 CUDA, the reference elsewhere) and all communication through `lightning_sdp4bit.comm`.
@@ -106,7 +107,7 @@ class TwoLevelGradReduceScatter:
     """TLq(-HS): quantized all-to-all inside the node, then across nodes (see SDP4BIT.md).
 
     Stage 1 (rotate + quantize to grad_intra_bits + destination layout) runs at `start` and the
-    intra-node all-to-all is launched; `progress` waits for it, runs stage 2 (dequantize + sum +
+    intra-node all-to-all is launched; once it has completed, `progress` (or `wait`) runs stage 2 (dequantize + sum +
     re-quantize to grad_inter_bits) and launches the inter-node all-to-all; `wait` runs stage 3
     (dequantize + sum + inverse Hadamard) into the gradient shard. With one node only the intra
     stage runs, with one rank per node only the inter stage (at grad_inter_bits).
@@ -144,8 +145,11 @@ class _TwoLevelExchange:
         owner.meter.record(kind, payload.nbytes, source.numel(), source.nbytes)
 
     def progress(self) -> None:
-        if not self._needs_second_stage:
-            return
+        """Run stage 2 if the intra-node all-to-all has completed; never blocks."""
+        if self._needs_second_stage and self._work.is_completed():
+            self._second_stage()
+
+    def _second_stage(self) -> None:
         self._needs_second_stage = False
         config, topo, owner = self._owner.config, self._owner.topology, self._owner
         self._work.wait()
@@ -168,7 +172,8 @@ class _TwoLevelExchange:
         owner.meter.record("grad_inter", payload.nbytes, topo.nodes * self._bucket.layout.shard_numel, 0)
 
     def wait(self) -> None:
-        self.progress()
+        if self._needs_second_stage:
+            self._second_stage()
         if self._work is None:
             return
         self._work.wait()

@@ -19,7 +19,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GradQuant", "Rounding", "SDP4BitConfig", "WeightQuant", "PRESETS"]
+__all__ = ["GradQuant", "NonFinite", "Rounding", "SDP4BitConfig", "WeightQuant", "PRESETS", "auto_bucket_numel"]
 
 
 class WeightQuant(str, Enum):
@@ -44,7 +44,28 @@ class Rounding(str, Enum):
     NEAREST = "nearest"  # round half to even: deterministic, used by the bit-exact tests
 
 
+class NonFinite(str, Enum):
+    """What a step does when a gradient element is Inf or NaN on any rank (decided on all ranks alike)."""
+
+    SKIP = "skip"  # no optimizer step, no weight exchange; masters and optimizer state kept; counted
+    ERROR = "error"  # raise NonFiniteGradientError on every rank, naming the step
+    PROPAGATE = "propagate"  # step anyway, as DDP does: the weights become non-finite
+
+
 ALLOWED_BITS = (2, 4, 8)
+
+# Automatic bucket size: about this many buckets, each within these bounds (elements). Several
+# buckets let the first reduce-scatters start while backward still runs and the first layers'
+# weights land before the rest; the bounds keep the per-bucket host work (a few kernel launches
+# and collectives) small next to the bucket's own transfer.
+AUTO_BUCKETS = 8
+AUTO_BUCKET_BOUNDS = (1_000_000, 25_000_000)
+
+
+def auto_bucket_numel(trained_numel: int) -> int:
+    """The `bucket_numel` used when the config leaves it None, for a model of `trained_numel` elements."""
+    low, high = AUTO_BUCKET_BOUNDS
+    return min(high, max(low, -(-trained_numel // AUTO_BUCKETS)))
 
 
 def _is_power_of_two(value: Any) -> bool:
@@ -118,9 +139,14 @@ class SDP4BitConfig:
     """Ranks that share a node for the two-level all-to-all. None takes LOCAL_WORLD_SIZE; an int
     emulates several nodes on one host (4 processes with 2 per node = 2 virtual nodes)."""
 
-    bucket_numel: int = 40_000_000
+    bucket_numel: int | None = None
     """Target elements per gradient/weight bucket. Larger buckets mean fewer, bigger collectives;
-    smaller ones start communicating earlier in backward. A parameter never spans two buckets."""
+    smaller ones start communicating earlier in backward. A parameter never spans two buckets.
+    None (default): the trained elements / 8, kept within 1M-25M (`auto_bucket_numel`)."""
+
+    first_bucket_numel: int = 1_000_000
+    """Target elements of the first bucket (the last layers, whose gradients are ready first),
+    capped at bucket_numel: a small first bucket starts communicating early, as DDP's 1 MB one."""
 
     min_compress_numel: int = 0
     """Buckets with fewer elements than this travel uncompressed. 0 (default) compresses all; the
@@ -131,6 +157,11 @@ class SDP4BitConfig:
 
     log_comm_stats: bool = True
     """Log the per-step communication figures (bytes, bits per element) through the Trainer."""
+
+    nonfinite: NonFinite = NonFinite.SKIP
+    """An Inf or NaN gradient on any rank: "skip" the step (default; counted in
+    comm/nonfinite_steps and warned about), "error" (raise on every rank) or "propagate" (step
+    anyway, as DDP does). Every rank takes the same decision."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_quant", coerce_enum("weight_quant", self.weight_quant, WeightQuant))
@@ -152,9 +183,16 @@ class SDP4BitConfig:
             _check_int("ranks_per_node", self.ranks_per_node)
             if self.ranks_per_node < 1:
                 raise ValueError(f"ranks_per_node must be None or a positive integer, got {self.ranks_per_node!r}")
-        _check_int("bucket_numel", self.bucket_numel)
-        if self.bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+        object.__setattr__(self, "nonfinite", coerce_enum("nonfinite", self.nonfinite, NonFinite))
+        if self.bucket_numel is not None:
+            _check_int("bucket_numel", self.bucket_numel)
+            if self.bucket_numel < 1:
+                raise ValueError(
+                    f"bucket_numel must be None (automatic) or a positive integer, got {self.bucket_numel!r}"
+                )
+        _check_int("first_bucket_numel", self.first_bucket_numel)
+        if self.first_bucket_numel < 1:
+            raise ValueError(f"first_bucket_numel must be a positive integer, got {self.first_bucket_numel!r}")
         _check_int("min_compress_numel", self.min_compress_numel)
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel!r}")

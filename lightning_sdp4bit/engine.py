@@ -1,16 +1,21 @@
 """The sharded data-parallel engine: ZeRO-1 with flat buckets, below the Lightning adapter.
 
-Life of one optimizer step (N = bucket elements, S = N / world, per bucket):
+One optimizer step (N = bucket elements, S = N / world, per bucket; the phases are named in
+`lightning_sdp4bit.schedule`):
 1. backward: each parameter's gradient is added, in fp32, into its bucket's gradient
-   accumulator [N] by a post-accumulate-grad hook, and the parameter's own .grad is freed. On
-   the last micro-batch of an accumulation window, a bucket whose gradients are all in is
-   divided by the world size and its reduce-scatter starts, overlapping the rest of backward.
-   Buckets start strictly in index order, so every rank issues the same collectives in the
-   same order whatever its backward order.
-2. `finish_grad_sync`: start what is left, wait for everything, and point every master
-   fragment's .grad at its slice of the gradient shard [S].
-3. the user's optimizer, re-pointed by `shard_optimizer`, steps the fp32 master fragments.
-4. `start_weight_sync`: every bucket's all-gather starts (the first layers' buckets first);
+   accumulator [N] by a post-accumulate-grad hook, and the parameter's own .grad is freed.
+   While `grad_sync_enabled` (the last micro-batch of an accumulation window), a bucket whose
+   gradients are all in is divided by the world size and its reduce-scatter starts, overlapping
+   the rest of backward.
+2. `finish_grad_sync` (idempotent): start what is left, wait for everything, and decide the
+   step on every rank alike (`lightning_sdp4bit.guards`): global norm, non-finite gradients,
+   parameters that got no gradient. Master fragments' .grad point at the gradient shard [S], or
+   are None for parameters that got no gradient (and for every one on a skipped step).
+3. `absorb_weight_edits`: in-place edits of the model weights since the last exchange (a clamp
+   in a hook, say) are copied into the fp32 masters, element by element.
+4. the user's optimizer, re-pointed by `lightning_sdp4bit.optim.shard_optimizer`, steps the
+   fp32 master fragments.
+5. `start_weight_sync`: every bucket's all-gather starts (the first layers' buckets first);
    forward pre-hooks wait for a module's buckets just before it runs, overlapping the rest.
 
 No Lightning here: a test can drive it with a plain module and optimizer.
@@ -38,7 +43,10 @@ from lightning_sdp4bit.collectives import (
     TwoLevelGradReduceScatter,
     WeightAllGather,
 )
-from lightning_sdp4bit.config import SDP4BitConfig, WeightQuant
+from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, WeightQuant, auto_bucket_numel
+from lightning_sdp4bit.guards import NonFiniteGradientError, StepVerdict, decide_step
+from lightning_sdp4bit.optim import shard_optimizer
+from lightning_sdp4bit.schedule import BucketSchedule, GradPhase
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
@@ -66,6 +74,7 @@ class MasterFragment:
     """One parameter's slice of this rank's shard: what the optimizer steps."""
 
     fragment: Fragment
+    param_index: int  # the parameter's position among the trained parameters (bucket order)
     master: Tensor  # fp32 view into the bucket's master shard
     grad: Tensor  # fp32 view into the bucket's gradient shard
 
@@ -89,11 +98,14 @@ class ShardedEngine:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameters that require grad: there is nothing to shard")
+        self.frozen_names = {name for name, p in module.named_parameters() if not p.requires_grad}
+        bucket_numel = config.bucket_numel or auto_bucket_numel(sum(p.numel() for _, p in named))
         layouts = plan_buckets(
             [(name, tuple(p.shape), p.dtype) for name, p in named],
             topology.world_size,
-            config.bucket_numel,
+            bucket_numel,
             shard_alignment(config),
+            config.first_bucket_numel,
         )
         self._check_ranks_agree(layouts, named[0][1].device)
         with torch.no_grad():
@@ -101,16 +113,24 @@ class ShardedEngine:
             self._broadcast_from_rank_zero()
             for bucket in self.buckets:
                 bucket.master.copy_(bucket.weight_shard)
+                bucket.applied_shard.copy_(bucket.weight_shard)
+        self.trained_names = [slot.name for b in self.buckets for slot in b.layout.slots]
         self.fragments_by_name: dict[str, list[MasterFragment]] = self._make_fragments()
         self.optimizer_param_names: list[list[list[str]]] = []  # per re-pointed optimizer, per group
         self.grad_collectives = [self._grad_collective(b) for b in self.buckets]
         self.weight_collectives = [self._weight_collective(b) for b in self.buckets]
+        self.schedule = BucketSchedule(
+            len(self.buckets), self._start_grad_exchange, self._start_weight_exchange, self._weights_landed
+        )
         self.step = 0
         self.grad_sync_enabled = True
-        self._ready: list[set[int]] = [set() for _ in self.buckets]
-        self._next_launch = 0
-        self._pending_grads: dict[int, Pending] = {}
-        self._pending_weights: dict[int, Pending] = {}
+        self.verdict: StepVerdict | None = None  # the last reduced window's verdict
+        self.nonfinite_steps = 0
+        self._received: list[set[int]] = [set() for _ in self.buckets]  # positions with a gradient this window
+        self._ready: list[set[int]] = [set() for _ in self.buckets]  # ... in the synced (last) backward
+        self._accumulated = False  # the accumulators hold gradients not yet exchanged
+        self._norm_versions: tuple[int, ...] | None = None  # grad shards' versions when verdict.norm was taken
+        self._stale_window_warned = False
         self._wait_all_before_forward = False
         self._hooks = self._register_hooks()
 
@@ -145,12 +165,13 @@ class ShardedEngine:
     def _make_fragments(self) -> dict[str, list[MasterFragment]]:
         """Parameter name -> its fragments in this rank's shards (at most one per parameter,
         since a parameter sits in one bucket and a shard is contiguous)."""
+        index_of = {name: i for i, name in enumerate(self.trained_names)}
         by_name: dict[str, list[MasterFragment]] = {}
         for bucket in self.buckets:
             for frag in bucket.layout.fragments(self.topology.rank):
                 window = slice(frag.shard_start, frag.shard_start + frag.numel)
                 by_name.setdefault(frag.name, []).append(
-                    MasterFragment(frag, bucket.master[window], bucket.grad_shard[window])
+                    MasterFragment(frag, index_of[frag.name], bucket.master[window], bucket.grad_shard[window])
                 )
         return by_name
 
@@ -195,50 +216,32 @@ class ShardedEngine:
                 handles.append(module.register_forward_pre_hook(_WeightWaitHook(self, indices)))
         return handles
 
-    # ----------------------------------------------------------------------------------------
-    # Optimizer
+    def check_trained_set(self) -> None:
+        """Raise if a parameter that was frozen when the engine was built now requires grad:
+        it has no bucket, so its gradient would be silently dropped. (Freezing a trained one
+        is fine: it gets no gradient, so the optimizer skips it, as under DDP.)"""
+        unfrozen = [name for name, p in self.module.named_parameters() if p.requires_grad and name in self.frozen_names]
+        if unfrozen:
+            raise RuntimeError(
+                f"parameters {unfrozen[:8]} were frozen when fit started and now require grad. Under sdp4bit "
+                "the set of trained parameters is fixed when fit starts: set requires_grad before fit (freeze "
+                "them by leaving them out of the optimizer or by a zero learning rate instead)."
+            )
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Re-point `optimizer`'s parameter groups at this rank's fp32 master fragments.
-
-        Group options (lr, weight decay, ...) stay as they are, so LR schedulers keep working.
-        Parameters the module does not train are dropped from the groups. The optimizer must be
-        fresh: state created for the full parameters cannot be split.
-        """
-        if optimizer.state:
-            raise ValueError(
-                f"{type(optimizer).__name__} already holds state; configure_optimizers must return a fresh "
-                "optimizer (the strategy re-points it at the sharded fp32 master weights)"
-            )
-        name_of = {id(p): slot.name for b in self.buckets for slot, p in zip(b.layout.slots, b.params, strict=True)}
-        seen: set[int] = set()
-        group_names = []
-        for group in optimizer.param_groups:
-            new_params, names = [], []
-            for param in group["params"]:
-                if id(param) in seen:
-                    raise ValueError("a parameter appears twice in the optimizer's param_groups")
-                seen.add(id(param))
-                if id(param) in name_of:
-                    names.append(name_of[id(param)])
-                    new_params.extend(record.master for record in self.fragments_by_name.get(names[-1], []))
-                elif param.requires_grad:
-                    raise ValueError(
-                        f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not a parameter "
-                        "of the LightningModule; optimize the module's own parameters"
-                    )
-            group["params"] = new_params
-            group_names.append(names)
-        self.optimizer_param_names.append(group_names)
+        """Re-point `optimizer` at this rank's master fragments (see `lightning_sdp4bit.optim`)."""
+        shard_optimizer(self, optimizer)
 
     # ----------------------------------------------------------------------------------------
     # Gradients
 
     def on_grad_ready(self, index: int, position: int) -> None:
         """Called from a parameter's post-accumulate-grad hook, after its .grad is complete."""
+        if self.schedule.grads_reduced:
+            self._open_window()
         bucket = self.buckets[index]
         param, slot = bucket.params[position], bucket.layout.slots[position]
-        if index in self._pending_grads:
+        if self.schedule.grad_phase[index] is not GradPhase.ACCUMULATING:
             raise RuntimeError(
                 f"parameter {slot.name!r} received a gradient after its bucket's reduce-scatter started "
                 "(it was used again later in the same backward); this strategy needs each parameter's "
@@ -247,75 +250,182 @@ class ShardedEngine:
         with torch.no_grad():
             bucket.grad_view(slot).add_(param.grad)
         param.grad = None
-        if not self.grad_sync_enabled:
-            return
-        self._ready[index].add(position)
-        while self._next_launch < len(self.buckets) and len(self._ready[self._next_launch]) == len(
-            self.buckets[self._next_launch].params
-        ):
-            self._launch(self._next_launch)
+        self._accumulated = True
+        self._received[index].add(position)
+        if self.grad_sync_enabled:
+            # Only the synced backward's own gradients count towards a bucket being complete.
+            self._ready[index].add(position)
+            self.schedule.launch_ready(lambda i: len(self._ready[i]) == len(self.buckets[i].params))
 
-    def _launch(self, index: int) -> None:
+    def _open_window(self) -> None:
+        """The first gradient after a reduced window without `discard_grads` (no zero_grad)."""
+        if not self._stale_window_warned:
+            warnings.warn(
+                "a backward ran after an optimizer step's gradients were reduced, with no zero_grad() in "
+                "between. Under sdp4bit each optimizer step's gradients start from zero (DDP would add the "
+                "old ones): call optimizer.zero_grad() after each step.",
+                stacklevel=3,
+            )
+            self._stale_window_warned = True
+        self._reset_window()
+
+    def _start_grad_exchange(self, index: int) -> Pending:
         bucket = self.buckets[index]
         with torch.no_grad():
             bucket.grad_accumulator.mul_(1.0 / self.topology.world_size)
-            for pending in self._pending_grads.values():
-                pending.progress()
-            self._pending_grads[index] = self.grad_collectives[index].start(bucket, self.step)
-        self._next_launch = index + 1
+            return self.grad_collectives[index].start(bucket, self.step)
 
     def finish_grad_sync(self) -> None:
-        """Complete every bucket's reduce-scatter and hand the gradient shards to the fragments.
+        """Complete every bucket's reduce-scatter, decide the step, and hand the gradient shards to
+        the fragments. Idempotent until the next backward or `discard_grads`.
 
-        Buckets whose parameters got no gradient (unused in this step) are sent now, in order.
+        Buckets whose parameters got no gradient are sent now, in order. Collective.
         """
+        if self.schedule.grads_reduced:
+            return
         with torch.no_grad():
-            while self._next_launch < len(self.buckets):
-                self._launch(self._next_launch)
-            for pending in self._pending_grads.values():
-                pending.progress()
-            for pending in self._pending_grads.values():
-                pending.wait()
-            for bucket in self.buckets:
-                bucket.grad_accumulator.zero_()
-        self._pending_grads.clear()
-        self._ready = [set() for _ in self.buckets]
-        self._next_launch = 0
+            self.schedule.finish_grads()
+            if self._accumulated:
+                for bucket in self.buckets:
+                    bucket.grad_accumulator.zero_()
+                self._accumulated = False
+            used_here = [
+                position in received
+                for bucket, received in zip(self.buckets, self._received, strict=True)
+                for position in range(len(bucket.params))
+            ]
+            self.verdict = decide_step([b.grad_shard for b in self.buckets], used_here, self.groups.world)
+        self._norm_versions = self._grad_versions()
+        if not self.verdict.finite:
+            self._on_nonfinite()
+        self._point_fragment_grads()
+
+    def _on_nonfinite(self) -> None:
+        mode = self.config.nonfinite
+        if mode is NonFinite.ERROR:
+            raise NonFiniteGradientError(
+                f"sdp4bit: a gradient is Inf or NaN at optimizer step {self.step} (on every rank's view of the "
+                "global norm). Set SDP4BitConfig.nonfinite='skip' to skip such steps, or find the batch or "
+                "layer that overflows."
+            )
+        if mode is NonFinite.SKIP:
+            self.nonfinite_steps += 1
+            if self.topology.rank == 0:
+                log.warning(
+                    "sdp4bit: non-finite gradient at optimizer step %d: step skipped (masters, optimizer state "
+                    "and weights unchanged; %d skipped so far)",
+                    self.step,
+                    self.nonfinite_steps,
+                )
+
+    @property
+    def skips_step(self) -> bool:
+        """Whether the reduced window's step is skipped (non-finite gradients, nonfinite='skip')."""
+        return self.verdict is not None and not self.verdict.finite and self.config.nonfinite is NonFinite.SKIP
+
+    def _point_fragment_grads(self) -> None:
+        used = self.verdict.used if self.verdict is not None else ()
         for records in self.fragments_by_name.values():
             for record in records:
-                record.master.grad = record.grad
+                keep = not self.skips_step and used[record.param_index]
+                record.master.grad = record.grad if keep else None
+
+    def discard_grads(self) -> None:
+        """zero_grad(): drop every accumulated and reduced gradient; a new window starts."""
+        if self.schedule.grads_exchanging:
+            with torch.no_grad():
+                self.schedule.finish_grads()
+        if self._accumulated:
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    bucket.grad_accumulator.zero_()
+            self._accumulated = False
+        self._reset_window()
+        for records in self.fragments_by_name.values():
+            for record in records:
+                record.master.grad = None
+
+    def _reset_window(self) -> None:
+        self.schedule.restart_grads()
+        self._received = [set() for _ in self.buckets]
+        self._ready = [set() for _ in self.buckets]
+        self.verdict = None
+
+    def _grad_versions(self) -> tuple[int, ...]:
+        return tuple(bucket.grad_shard._version for bucket in self.buckets)
 
     def clip_grad_norm(self, max_norm: float) -> Tensor:
         """Scale the gradient shards so that the global 2-norm is at most `max_norm`.
 
-        The norm is taken over every rank's shard with one all-reduce of the squared sums, and
-        the scaling follows torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6),
-        capped at 1). Returns the global norm before clipping.
+        The norm is the step verdict's (one all-reduce of the squared sums, already done) unless
+        the shards changed since; the scaling follows torch.nn.utils.clip_grad_norm_
+        (coefficient max_norm / (norm + 1e-6), capped at 1). A skipped step is left as it is.
+        Returns the global norm before clipping.
         """
-        device = self.buckets[0].grad_shard.device
-        squares = torch.zeros(1, dtype=torch.float32, device=device)
-        for bucket in self.buckets:
-            squares += bucket.grad_shard.pow(2).sum()
-        comm.all_reduce(squares, group=self.groups.world)
-        norm = squares.sqrt()[0]
+        self.finish_grad_sync()
+        assert self.verdict is not None
+        norm = self.verdict.norm
+        if self._grad_versions() != self._norm_versions:
+            norm = self._fresh_norm()
+        if self.skips_step:
+            return norm
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for bucket in self.buckets:
             bucket.grad_shard.mul_(coefficient)
+        self._norm_versions = None
         return norm
+
+    def _fresh_norm(self) -> Tensor:
+        squares = torch.zeros(1, dtype=torch.float32, device=self.buckets[0].grad_shard.device)
+        for bucket in self.buckets:
+            squares += bucket.grad_shard.pow(2).sum()
+        comm.all_reduce(squares, group=self.groups.world)
+        return squares.sqrt()[0]
 
     # ----------------------------------------------------------------------------------------
     # Weights
 
-    def start_weight_sync(self) -> dict[str, float]:
-        """After the optimizer step: start every bucket's weight all-gather. Returns the step's
-        communication figures."""
+    def absorb_weight_edits(self) -> int:
+        """Copy in-place edits of the model weights (made since the last exchange) into the fp32
+        masters, element by element, so that the next step starts from them. Local: each rank
+        takes in its own shard. Returns the number of edited elements on this rank.
+
+        Unedited elements keep their fp32 masters. Costs one comparison of the weight shard with
+        the applied shard ([S] per bucket) and one host synchronisation.
+        """
         self.wait_weights()
         with torch.no_grad():
-            # Buckets are in backward order, so the last one holds the first layers: start it first.
-            for index in reversed(range(len(self.buckets))):
-                self._pending_weights[index] = self.weight_collectives[index].start(self.buckets[index], self.step)
+            masks = [bucket.weight_shard != bucket.applied_shard for bucket in self.buckets]
+            counts = torch.stack([mask.sum() for mask in masks]).tolist()
+            for bucket, mask, count in zip(self.buckets, masks, counts, strict=True):
+                if count:
+                    bucket.master.copy_(torch.where(mask, bucket.weight_shard.float(), bucket.master))
+                    bucket.applied_shard.copy_(bucket.weight_shard)
+        return int(sum(counts))
+
+    def _start_weight_exchange(self, index: int) -> Pending:
+        with torch.no_grad():
+            return self.weight_collectives[index].start(self.buckets[index], self.step)
+
+    def _weights_landed(self, index: int) -> None:
+        bucket = self.buckets[index]
+        with torch.no_grad():
+            bucket.applied_shard.copy_(bucket.weight_shard)
+
+    def start_weight_sync(self) -> dict[str, float]:
+        """After the optimizer step: start every bucket's weight all-gather (none on a skipped
+        step: no master changed). Returns the step's communication figures."""
+        if not self.skips_step:
+            self.schedule.start_weights()
         self.step += 1
-        return self.meter.end_step()
+        stats = self.meter.end_step()
+        stats["nonfinite_steps"] = self.nonfinite_steps
+        return stats
+
+    def weights_loaded(self) -> None:
+        """The weights were written from outside (a checkpoint): take them as the applied ones."""
+        for index in range(len(self.buckets)):
+            self._weights_landed(index)
 
     def gather_weight_shards(self) -> None:
         """Make every rank's weights the concatenation of the ranks' own weight shards (after a
@@ -323,22 +433,20 @@ class ShardedEngine:
         with torch.no_grad():
             for bucket in self.buckets:
                 comm.all_gather(bucket.weights, bucket.weight_shard.clone(), group=self.groups.world)
+        self.weights_loaded()
 
     def wait_weights(self, indices: Iterable[int] | None = None) -> None:
         """Complete the pending all-gathers of `indices` (default: all of them)."""
-        targets = list(self._pending_weights) if indices is None else indices
         with torch.no_grad():
-            for index in targets:
-                pending = self._pending_weights.pop(index, None)
-                if pending is not None:
-                    pending.wait()
+            self.schedule.wait_weights(indices)
 
     def check_weights_were_waited(self) -> None:
         """Called before backward: every all-gather should have been waited for by a forward
         pre-hook. If one was not, a parameter was read outside its module's forward; finish the
         sync, warn once, and from then on wait for all weights before each forward."""
-        if self._pending_weights and not self._wait_all_before_forward:
-            names = sorted({slot.name for i in self._pending_weights for slot in self.buckets[i].layout.slots})
+        pending = self.schedule.exchanging_weights()
+        if pending and not self._wait_all_before_forward:
+            names = sorted({slot.name for i in pending for slot in self.buckets[i].layout.slots})
             warnings.warn(
                 "these parameters were not reached through their modules' forward, so their updated weights "
                 f"may have arrived late for this step: {names[:8]}{'...' if len(names) > 8 else ''}. "
@@ -378,3 +486,12 @@ class _WeightWaitHook:
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         self.engine.wait_weights(None if self.engine.waits_for_all_weights_before_forward else self.indices)
+
+    def __deepcopy__(self, memo: dict) -> _InertHook:
+        # A deep copy of the module (an EMA or SWA average, say) is no replica: it waits for nothing.
+        return _InertHook()
+
+
+class _InertHook:
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        return None

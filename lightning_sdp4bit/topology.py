@@ -57,17 +57,21 @@ class Topology:
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    world: Any
+    world: Any  # every rank, on a communicator of the engine's own (not the default group)
     intra: Any  # this rank's node; None with one rank per node
     inter: Any  # this rank's peers at the same local index; None with one node
 
 
 def create_process_groups(topology: Topology) -> ProcessGroups:
-    """Create the sub-groups. Collective: every rank must call it, in the same order.
+    """Create the engine's groups. Collective: every rank must call it, in the same order.
 
-    A stage whose group would hold every rank uses the world group; an absent stage gets None.
+    The world group is a new communicator over every rank, not the default group: collectives
+    on one communicator run in issue order, so Lightning's own (the per-batch SIGTERM broadcast,
+    `sync_dist` logging, barriers) would otherwise queue behind the weight all-gathers still in
+    flight, and the next batch could not start before they ended. A stage whose group would
+    hold every rank uses that world group; an absent stage gets None.
     """
-    world = dist.group.WORLD
+    world = dist.new_group(ranks=list(range(topology.world_size)))
 
     def subgroup(present: bool, spans_world: bool, members: list[list[int]]) -> Any:
         if not present:

@@ -1,7 +1,8 @@
 """Logs the strategy's communication figures through the Trainer's loggers, once per step.
 
 Per optimizer step it logs, under "comm/": the bits per element of the weight all-gather and of
-the two gradient stages, the compression ratio against the uncompressed path, and the bytes
+the two gradient stages, the compression ratio against the uncompressed path, the number of
+steps skipped for non-finite gradients (`nonfinite="skip"`), and the bytes
 this rank put on the wire since fit started, next to what the uncompressed path would have put
 (torchmetrics SumMetrics, local to the rank: every rank sends the same amount).
 """
@@ -23,6 +24,7 @@ _PER_STEP = (
     "grad_reduce_scatter_bits_per_element",
     "compression_ratio",
     "step_bytes",
+    "nonfinite_steps",
 )
 
 

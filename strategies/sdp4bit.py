@@ -37,9 +37,11 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
+from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
@@ -47,6 +49,7 @@ from lightning_sdp4bit import checkpoint as sharded_checkpoint
 from lightning_sdp4bit import ops
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.param_grads import gradients_on_parameters
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology, create_process_groups
 
@@ -104,6 +107,7 @@ class SDP4BitStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self.engine: ShardedEngine | None = None
+        self._weight_hooks: WeightReadingHooks | None = None
         self.meter = WireMeter()
         self.comm_stats: dict[str, float] = {}
         """The last optimizer step's communication figures (see lightning_sdp4bit.stats)."""
@@ -209,19 +213,33 @@ class SDP4BitStrategy(ParallelStrategy):
         self.model_to_device()
         self.engine = None
         if trainer.state.fn == TrainerFn.FITTING:
+            _refuse_finetuning_callbacks(trainer)
             ranks_per_node = self.config.resolve_ranks_per_node(self.world_size, self.num_processes)
             topology = Topology(self.global_rank, self.world_size, ranks_per_node)
             self.engine = ShardedEngine(self.model, self.config, topology, create_process_groups(topology), self.meter)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self.engine.shard_optimizer(optimizer)
+            # The LightningOptimizer wrappers were copied before sharding: give them the sharded
+            # optimizers' zero_grad (which ends the gradient window) and add_param_group (which refuses).
+            for wrapper in self._lightning_optimizers:
+                wrapper.zero_grad = wrapper.optimizer.zero_grad
+                wrapper.add_param_group = wrapper.optimizer.add_param_group
+            # Manual optimization: no backward is known to be the window's last, so nothing is
+            # sent during backward; the gradients are reduced when opt.step() (or a clip) needs them.
+            self.engine.grad_sync_enabled = self.lightning_module.automatic_optimization
+            self._weight_hooks = WeightReadingHooks(self._wait_weights)
+            self._weight_hooks.install(trainer, self.lightning_module)
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
         if self.engine is not None:
             _optimizers_to_device(self.optimizers, self.root_device)
+            plugin = self.precision_plugin
             # Stock clip-by-norm would take each rank's local shard norm: clip the global norm.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            plugin.clip_grad_by_value = self._reduced_first(plugin.clip_grad_by_value)  # type: ignore[method-assign]
+            plugin._after_closure = self._after_closure  # type: ignore[method-assign]
             if self.config.log_comm_stats and not any(isinstance(c, CommStatsLogger) for c in trainer.callbacks):
                 trainer.callbacks.append(CommStatsLogger())
 
@@ -233,6 +251,42 @@ class SDP4BitStrategy(ParallelStrategy):
         assert self.engine is not None
         self.engine.clip_grad_norm(float(clip_val))
 
+    def _reduced_first(self, clip: Callable[..., None]) -> Callable[..., None]:
+        """Clipping by value reads the fragments' gradients: reduce them first (manual optimization
+        calls self.clip_gradients before opt.step())."""
+
+        def reduce_then_clip(*args: Any, **kwargs: Any) -> None:
+            assert self.engine is not None
+            self.engine.finish_grad_sync()
+            clip(*args, **kwargs)
+
+        return reduce_then_clip
+
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        """Precision._after_closure, with the engine's steps around the hooks: between backward
+        and the optimizer's update, in automatic and manual optimization alike.
+
+        on_before_optimizer_step sees the full reduced gradients on the parameters (an fp32
+        all-gather) only if a callback or the module overrides it; their edits to p.grad reach the
+        shards. Clipping then works on the shards, and in-place weight edits made in any hook
+        since the last step reach the fp32 masters before the optimizer steps them.
+        """
+        assert self.engine is not None
+        trainer = model.trainer
+        readers = [obj for obj in [*trainer.callbacks, model] if overrides_hook(obj, "on_before_optimizer_step")]
+        self.engine.finish_grad_sync()
+        if readers:
+            with gradients_on_parameters(self.engine):
+                call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+                call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        else:
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        self.precision_plugin._clip_gradients(
+            model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
+        )
+        self.engine.absorb_weight_edits()
+
     # ----------------------------------------------------------------------------------------
     # The training loop
 
@@ -242,17 +296,19 @@ class SDP4BitStrategy(ParallelStrategy):
         if self.engine is None:
             yield
             return
-        self.engine.grad_sync_enabled = False
+        enabled, self.engine.grad_sync_enabled = self.engine.grad_sync_enabled, False
         try:
             yield
         finally:
-            self.engine.grad_sync_enabled = True
+            self.engine.grad_sync_enabled = enabled
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
+            self.engine.check_trained_set()
             self.engine.check_weights_were_waited()
 
     def post_backward(self, closure_loss: Tensor) -> None:
+        # Automatic optimization, last micro-batch: the reduce-scatters started during backward.
         if self.engine is not None and self.engine.grad_sync_enabled:
             self.engine.finish_grad_sync()
 
@@ -263,9 +319,15 @@ class SDP4BitStrategy(ParallelStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        manual = self.engine is not None and not self.lightning_module.automatic_optimization
+        if manual:
+            self.engine.finish_grad_sync()  # opt.step() ends the window of manual_backward calls
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
             self.comm_stats = self.engine.start_weight_sync()
+            if manual:
+                # training_step goes on after opt.step() and may read or edit the weights at once.
+                self.engine.wait_weights()
         return output
 
     def _wait_weights(self) -> None:
@@ -289,6 +351,9 @@ class SDP4BitStrategy(ParallelStrategy):
         # after fit still finds the master shards; the next fit builds a new one.
         if self.engine is not None:
             self.engine.close()
+        if self._weight_hooks is not None:
+            self._weight_hooks.remove()
+            self._weight_hooks = None
         super().teardown()
 
     # ----------------------------------------------------------------------------------------
@@ -335,7 +400,7 @@ class SDP4BitStrategy(ParallelStrategy):
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        self._wait_weights()
+        self.engine.absorb_weight_edits()  # waits for the weights; edits since the step go into the masters
         optimizers = [_unwrap(opt) for opt in self.optimizers]
         sharded_checkpoint.save_sharded(self.engine, optimizers, checkpoint, filepath, self.barrier)
 
@@ -382,6 +447,21 @@ class SDP4BitStrategy(ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Nothing to do: load_model_state_dict restored the optimizers' shards with the weights."""
+
+
+def _refuse_finetuning_callbacks(trainer: pl.Trainer) -> None:
+    """BaseFinetuning maps the optimizer's tensors back to the module's parameters and adds
+    parameter groups mid-fit; neither can hold when the optimizer steps sharded masters."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning):
+            raise ValueError(
+                f"{type(callback).__name__} (a BaseFinetuning callback) cannot run under sdp4bit: the set of "
+                "trained parameters is fixed when fit starts, and the optimizer steps sharded fp32 masters, not "
+                "the module's parameters. Freeze parameters before fit (requires_grad=False) and keep them frozen, "
+                "or train them from the start in a parameter group whose learning rate you raise later."
+            )
 
 
 def _destroy_process_group() -> None:

@@ -1,0 +1,76 @@
+"""Re-pointing a user's optimizer at the engine's fp32 master fragments.
+
+The optimizer keeps its class, its options and its parameter groups; only the tensors in the
+groups change, from the module's parameters to this rank's master fragments (see
+`lightning_sdp4bit.engine.MasterFragment`). Two of its methods are wrapped on the instance:
+- `zero_grad` also tells the engine that the gradient window ended: the accumulated and reduced
+  gradients are dropped (what zero_grad means for the module's parameters under DDP);
+- `add_param_group` raises: the set of trained parameters is fixed when the engine is built, so
+  a parameter added later (BaseFinetuning's unfreezing) would have no bucket and never train.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_sdp4bit.engine import ShardedEngine
+
+__all__ = ["shard_optimizer"]
+
+_FIXED_SET = (
+    "under sdp4bit the set of trained parameters is fixed when fit starts: freeze parameters before fit "
+    "(requires_grad=False, e.g. in BaseFinetuning.freeze_before_training) and keep them frozen, or "
+    "train them from the start with a zero learning rate in their own parameter group and raise it later"
+)
+
+
+def shard_optimizer(engine: ShardedEngine, optimizer: torch.optim.Optimizer) -> None:
+    """Re-point `optimizer`'s parameter groups at this rank's fp32 master fragments.
+
+    Group options (lr, weight decay, ...) stay as they are, so LR schedulers keep working.
+    Parameters the module does not train are dropped from the groups. The optimizer must be
+    fresh: state created for the full parameters cannot be split.
+    """
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} already holds state; configure_optimizers must return a fresh "
+            "optimizer (the strategy re-points it at the sharded fp32 master weights)"
+        )
+    name_of = {id(p): slot.name for b in engine.buckets for slot, p in zip(b.layout.slots, b.params, strict=True)}
+    seen: set[int] = set()
+    group_names = []
+    for group in optimizer.param_groups:
+        new_params, names = [], []
+        for param in group["params"]:
+            if id(param) in seen:
+                raise ValueError("a parameter appears twice in the optimizer's param_groups")
+            seen.add(id(param))
+            if id(param) in name_of:
+                names.append(name_of[id(param)])
+                new_params.extend(record.master for record in engine.fragments_by_name.get(names[-1], []))
+            elif param.requires_grad:
+                raise ValueError(
+                    f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not a parameter "
+                    "of the LightningModule; optimize the module's own parameters"
+                )
+        group["params"] = new_params
+        group_names.append(names)
+    engine.optimizer_param_names.append(group_names)
+    _wrap_methods(engine, optimizer)
+
+
+def _wrap_methods(engine: ShardedEngine, optimizer: torch.optim.Optimizer) -> None:
+    zero_grad = optimizer.zero_grad
+
+    def zero_grad_and_end_window(*args: Any, **kwargs: Any) -> None:
+        engine.discard_grads()
+        zero_grad(*args, **kwargs)
+
+    def refuse_new_group(param_group: dict[str, Any]) -> None:
+        raise ValueError(f"{type(optimizer).__name__}.add_param_group was called during fit: {_FIXED_SET}")
+
+    optimizer.zero_grad = zero_grad_and_end_window  # type: ignore[method-assign]
+    optimizer.add_param_group = refuse_new_group  # type: ignore[method-assign]

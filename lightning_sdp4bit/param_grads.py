@@ -1,0 +1,64 @@
+"""Full reduced gradients on the module's parameters, for hooks that read or edit `p.grad`.
+
+Under the engine a parameter's `.grad` is None after backward: its gradient lives, reduced,
+in the owners' gradient shards [S]. Code written for DDP (Lightning's `grad_norm`, gradient
+histograms, gradient surgery in `on_before_optimizer_step`) reads and edits `p.grad`.
+`gradients_on_parameters` all-gathers the shards into one fp32 buffer [N] per bucket, sets
+every parameter's `.grad` to its slice (None for parameters that got no gradient on any rank,
+as DDP leaves them), and afterwards copies edits back into this rank's shard and frees them.
+
+It costs one fp32 all-gather of the gradients (4 bytes per element on the wire), so the
+adapter opens it only around hooks a user overrode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightning_sdp4bit import comm
+
+if TYPE_CHECKING:
+    from lightning_sdp4bit.engine import ShardedEngine
+
+__all__ = ["gradients_on_parameters"]
+
+
+@contextmanager
+def gradients_on_parameters(engine: ShardedEngine) -> Generator[None, None, None]:
+    """Within the block, every trained parameter's `.grad` is the averaged gradient. Collective."""
+    engine.finish_grad_sync()
+    assert engine.verdict is not None
+    used = engine.verdict.used
+    exposed = []  # per bucket: the full buffer [N] and each parameter's (grad as set, its version)
+    offset = 0
+    with torch.no_grad():
+        for bucket in engine.buckets:
+            full = torch.empty(bucket.layout.numel, dtype=torch.float32, device=bucket.grad_shard.device)
+            comm.all_gather(full, bucket.grad_shard, group=engine.groups.world)
+            given = []
+            for position, (slot, param) in enumerate(zip(bucket.layout.slots, bucket.params, strict=True)):
+                view = full[slot.start : slot.start + slot.numel].view(slot.shape)
+                param.grad = view.to(param.dtype) if used[offset + position] else None
+                given.append((param.grad, None if param.grad is None else param.grad._version))
+            offset += len(bucket.params)
+            exposed.append((full, given))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for bucket, (full, given) in zip(engine.buckets, exposed, strict=True):
+                edited = False
+                for slot, param, (grad, version) in zip(bucket.layout.slots, bucket.params, given, strict=True):
+                    now = param.grad
+                    if now is not grad or (now is not None and now._version != version):
+                        window = full[slot.start : slot.start + slot.numel]
+                        window.copy_(now.reshape(-1) if now is not None else torch.zeros_like(window))
+                        edited = True
+                    param.grad = None
+                if edited:
+                    lo, hi = bucket.layout.shard_bounds(engine.topology.rank)
+                    bucket.grad_shard.copy_(full[lo:hi])

@@ -1,0 +1,140 @@
+"""The life of a bucket, named in one place: when its gradients and its weights are final.
+
+Per optimizer step, every bucket goes through two phases of its own (N elements, S = N / world):
+
+    gradients:  ACCUMULATING --launch--> EXCHANGING --wait--> REDUCED --discard--> ACCUMULATING
+    weights:    CURRENT --start--> EXCHANGING --wait--> CURRENT
+
+- ACCUMULATING: micro-batch gradients are summed into the bucket's fp32 accumulator [N].
+- gradients EXCHANGING: the reduce-scatter (plain, or the two quantized all-to-alls) is in flight;
+  the accumulator must not be written.
+- REDUCED: this rank's gradient shard [S] holds the averaged gradient; the optimizer may step.
+- weights EXCHANGING: the all-gather of the updated shards is in flight; the model weights [N]
+  must be neither read nor written until it completes.
+- weights CURRENT: the model weights are the ones the next forward uses, identical on every rank.
+
+`BucketSchedule` holds these phases and the pending exchanges, and is the only place that waits
+on communication. Its rules:
+- gradient exchanges start strictly in bucket order (0, 1, ...), so every rank issues the same
+  collectives in the same order whatever its backward order;
+- a multi-stage exchange moves to its next stage only when its current stage has completed
+  (`Work.is_completed()`), so polling never blocks the caller (nor, on CUDA, its stream);
+- weight exchanges start with the last bucket (the first layers, which forward needs first).
+
+The waits Lightning's hooks need (weights complete before a callback reads them, gradients
+reduced before a hook sees them) are calls of `wait_weights` and `finish_grads`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from enum import Enum
+
+from lightning_sdp4bit.collectives import Pending
+
+__all__ = ["BucketSchedule", "GradPhase", "WeightPhase"]
+
+
+class GradPhase(str, Enum):
+    ACCUMULATING = "accumulating"  # gradients are being summed into the accumulator
+    EXCHANGING = "exchanging"  # the reduce-scatter is in flight
+    REDUCED = "reduced"  # the gradient shard is final for this step
+
+
+class WeightPhase(str, Enum):
+    CURRENT = "current"  # the weights are complete and current on every rank
+    EXCHANGING = "exchanging"  # the all-gather is in flight: do not read or write the weights
+
+
+class BucketSchedule:
+    """Phases and pending exchanges of `count` buckets.
+
+    `start_grads(index)` and `start_weights(index)` are callables that launch one bucket's
+    exchange and return its `Pending`; `on_weights_current(index)` runs once a bucket's new
+    weights have landed (the engine records them as the reference for in-place edit checks).
+    """
+
+    def __init__(
+        self,
+        count: int,
+        start_grads: Callable[[int], Pending],
+        start_weights: Callable[[int], Pending],
+        on_weights_current: Callable[[int], None],
+    ):
+        self.count = count
+        self._start_grads, self._start_weights = start_grads, start_weights
+        self._on_weights_current = on_weights_current
+        self.grad_phase = [GradPhase.ACCUMULATING] * count
+        self.weight_phase = [WeightPhase.CURRENT] * count
+        self._next_launch = 0  # the next bucket whose gradient exchange may start
+        self._grads: dict[int, Pending] = {}
+        self._weights: dict[int, Pending] = {}
+
+    # ----------------------------------------------------------------------------------------
+    # Gradients
+
+    @property
+    def grads_reduced(self) -> bool:
+        return all(phase is GradPhase.REDUCED for phase in self.grad_phase)
+
+    @property
+    def grads_exchanging(self) -> bool:
+        return bool(self._grads)
+
+    def launch_ready(self, ready: Callable[[int], bool]) -> None:
+        """Start the gradient exchanges of the next buckets in order, as long as `ready(index)`."""
+        while self._next_launch < self.count and ready(self._next_launch):
+            self._launch(self._next_launch)
+        self.poll()
+
+    def _launch(self, index: int) -> None:
+        self._grads[index] = self._start_grads(index)
+        self.grad_phase[index] = GradPhase.EXCHANGING
+        self._next_launch = index + 1
+
+    def poll(self) -> None:
+        """Move every in-flight multi-stage exchange on whose current stage has completed."""
+        for pending in self._grads.values():
+            pending.progress()
+
+    def finish_grads(self) -> None:
+        """Launch what is left (in order), then wait for every gradient exchange: REDUCED."""
+        while self._next_launch < self.count:
+            self._launch(self._next_launch)
+        for index in sorted(self._grads):
+            self._grads.pop(index).wait()
+            self.grad_phase[index] = GradPhase.REDUCED
+
+    def restart_grads(self) -> None:
+        """A new accumulation window: every bucket back to ACCUMULATING."""
+        if self._grads:
+            raise RuntimeError("cannot start a new gradient window while reduce-scatters are in flight")
+        self.grad_phase = [GradPhase.ACCUMULATING] * self.count
+        self._next_launch = 0
+
+    # ----------------------------------------------------------------------------------------
+    # Weights
+
+    @property
+    def weights_current(self) -> bool:
+        return not self._weights
+
+    def start_weights(self) -> None:
+        """Start every bucket's all-gather, the first layers' (the last bucket) first."""
+        self.wait_weights()
+        for index in reversed(range(self.count)):
+            self._weights[index] = self._start_weights(index)
+            self.weight_phase[index] = WeightPhase.EXCHANGING
+
+    def wait_weights(self, indices: Iterable[int] | None = None) -> None:
+        """Complete the all-gathers of `indices` (default: all): their weights become CURRENT."""
+        targets = sorted(self._weights) if indices is None else indices
+        for index in targets:
+            pending = self._weights.pop(index, None)
+            if pending is not None:
+                pending.wait()
+                self.weight_phase[index] = WeightPhase.CURRENT
+                self._on_weights_current(index)
+
+    def exchanging_weights(self) -> list[int]:
+        return sorted(self._weights)

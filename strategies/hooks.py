@@ -1,0 +1,106 @@
+"""What Lightning's hooks see under sdp4bit: complete weights, and gradients on the parameters.
+
+The engine overlaps the weight all-gather with the next forward: after the optimizer step the
+model weights are EXCHANGING (`lightning_sdp4bit.schedule`) until each module's forward
+pre-hook waits for its buckets. A callback or module hook that runs in between (weight logging,
+EMA, SWA, export, an in-place clamp) would read half-written weights. Waiting for every bucket
+after each step would cost the overlap for everyone, so the wait is lazy:
+- `WeightReadingHooks` wraps, on the instance, every hook that a user's callback or the
+  LightningModule overrides, so that it first completes the weight exchange. Hooks that only
+  Lightning's own callbacks define (progress bars, ModelCheckpoint, which saves through the
+  strategy, LearningRateMonitor, ...) read no weights and are left alone: with none overridden,
+  nothing waits outside the forward pre-hooks.
+- `overrides_hook` tells the adapter whether anyone reads `p.grad` in `on_before_optimizer_step`,
+  so that the full gradients (an fp32 all-gather) are put on the parameters only then.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import (
+    Callback,
+    DeviceStatsMonitor,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    ThroughputMonitor,
+    Timer,
+)
+
+__all__ = ["WeightReadingHooks", "overrides_hook"]
+
+# Lightning's callbacks that read no weights in their hooks (ModelCheckpoint saves through the
+# strategy, which waits itself); a user's subclass that overrides a hook is wrapped all the same.
+_READS_NO_WEIGHTS: tuple[type, ...] = (
+    Callback,
+    DeviceStatsMonitor,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    ThroughputMonitor,
+    Timer,
+)
+
+# Every hook that can run between an optimizer step and the next forward, or after fit.
+# (setup runs before the engine exists; on_before_optimizer_step runs after forward waited.)
+_HOOKS = tuple(sorted({name for name in dir(Callback) if name.startswith("on_")} | {"teardown"}))
+
+
+def _defining_class(obj: Any, name: str) -> type | None:
+    for cls in type(obj).__mro__:
+        if name in cls.__dict__:
+            return cls
+    return None
+
+
+def overrides_hook(obj: Any, name: str) -> bool:
+    """Whether `obj` (a callback or a LightningModule) has its own `name` hook."""
+    owner = _defining_class(obj, name)
+    if owner is None:
+        return False
+    if isinstance(obj, pl.LightningModule):
+        return not owner.__module__.startswith("lightning.pytorch")
+    return owner not in _READS_NO_WEIGHTS and not owner.__module__.startswith("lightning_sdp4bit")
+
+
+class WeightReadingHooks:
+    """Installs and removes the waiting wrappers around the overridden hooks of a Trainer's
+    callbacks and LightningModule."""
+
+    def __init__(self, wait: Callable[[], None]):
+        self._wait = wait
+        self._wrapped: list[tuple[Any, str]] = []
+
+    def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        for obj in [*trainer.callbacks, module]:
+            for name in _HOOKS:
+                if overrides_hook(obj, name) and name not in vars(obj):
+                    setattr(obj, name, self._waiting(getattr(obj, name)))
+                    self._wrapped.append((obj, name))
+
+    def _waiting(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(hook)
+        def wait_then_call(*args: Any, **kwargs: Any) -> Any:
+            self._wait()
+            return hook(*args, **kwargs)
+
+        return wait_then_call
+
+    def remove(self) -> None:
+        for obj, name in self._wrapped:
+            obj.__dict__.pop(name, None)
+        self._wrapped = []
+
+    @property
+    def wrapped(self) -> list[str]:
+        return [f"{type(obj).__name__}.{name}" for obj, name in self._wrapped]
