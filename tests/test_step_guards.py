@@ -1,0 +1,120 @@
+"""The per-step guards, on 2 CPU ranks:
+- an Inf in one rank's gradient, and a NaN loss on one rank, under nonfinite = "skip" (the step
+  is skipped on every rank: weights and optimizer state unchanged, counted in comm_stats,
+  replicas identical, training goes on), "error" (NonFiniteGradientError on every rank, naming
+  the step) and "propagate" (the weights become non-finite, as under DDP); baseline and sdp4bit;
+- a branch unused on every rank on even steps gets grad None there, so AdamW skips it: the fp32
+  baseline equals DDPStrategy(find_unused_parameters=True) bit for bit;
+- the engine's collectives never run on the default process group, which Lightning's own
+  collectives (the per-batch SIGTERM broadcast, sync_dist) use.
+"""
+
+import pytest
+import torch
+from distributed import run_workers
+from lightning_runs import make_trainer, sdp4bit, weights
+from models import WIDTH, TinyLMModule
+
+
+class InjectsNonFinite(TinyLMModule):
+    """Step 1: one Inf gradient element on rank 1. Step 2: a NaN loss on rank 0."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.snapshots, self.handle = [], None
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        rank = self.trainer.global_rank
+        if self.global_step == 1 and rank == 1:
+            poison = torch.tensor([0])
+            self.handle = self.model.norm.weight.register_hook(lambda g: g.index_fill(0, poison, float("inf")))
+        if self.global_step == 2 and rank == 0:
+            loss = loss * float("nan")
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        optimizer = self.trainer.strategy.optimizers[0]
+        moments = sum(float(s["exp_avg"].abs().sum()) for s in optimizer.state.values() if "exp_avg" in s)
+        self.snapshots.append((weights(self), moments, dict(self.trainer.strategy.comm_stats)))
+
+
+class UnusedOnEvenSteps(TinyLMModule):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.branch = torch.nn.Linear(WIDTH, WIDTH)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model.loss(batch)
+        if self.global_step % 2 == 1:
+            loss = loss + 0.01 * self.branch(self.model.embed(batch[:, :4])).pow(2).mean()
+        return loss
+
+
+def _guards(rank, world, preset):
+    import torch.distributed as dist
+
+    import lightning_sdp4bit.comm as comm
+    from lightning_sdp4bit.guards import NonFiniteGradientError
+
+    out = {}
+    for mode in ("skip", "error", "propagate"):
+        module = InjectsNonFinite()
+        trainer = make_trainer(world, sdp4bit(preset=preset, nonfinite=mode), max_steps=4)
+        try:
+            trainer.fit(module)
+            out[mode] = module.snapshots
+        except NonFiniteGradientError as error:
+            out[mode] = str(error)
+
+    groups = []
+    for name in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"):
+        original = getattr(comm, name)
+
+        def recording(*args, _original=original, **kwargs):
+            groups.append(kwargs.get("group"))
+            return _original(*args, **kwargs)
+
+        setattr(comm, name, recording)
+    for name, strategy in (("ddp", _ddp_finding_unused()), ("ours", sdp4bit(preset=preset))):
+        module = UnusedOnEvenSteps()
+        make_trainer(world, strategy, max_steps=4).fit(module)
+        out[f"unused_{name}"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["engine_groups_default"] = [g is None or g is dist.group.WORLD for g in groups]
+    return out
+
+
+def _ddp_finding_unused():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(find_unused_parameters=True)
+
+
+def _assert_finite(snapshot):
+    return all(bool(torch.isfinite(w).all()) for w in snapshot.values())
+
+
+@pytest.mark.parametrize("preset", ["baseline", "sdp4bit"])
+def test_nonfinite_modes_unused_parameters_and_own_groups(preset):
+    results = run_workers(_guards, 2, preset)
+    for result in results:
+        skipped = result["skip"]
+        assert len(skipped) == 4
+        (w0, m0, _), (w1, m1, s1), (w2, m2, s2), (w3, _, s3) = skipped
+        # Steps 1 and 2 are skipped: nothing changes, the counter says so, training goes on.
+        for name, value in w0.items():
+            assert torch.equal(w1[name], value) and torch.equal(w2[name], value), name
+        assert m0 == m1 == m2
+        assert (s1["nonfinite_steps"], s2["nonfinite_steps"], s3["nonfinite_steps"]) == (1, 2, 2)
+        assert _assert_finite(w3) and any(not torch.equal(w3[n], w0[n]) for n in w0)
+        assert isinstance(result["error"], str) and "optimizer step 1" in result["error"]
+        assert not _assert_finite(result["propagate"][1][0])
+        assert not any(result["engine_groups_default"]) and result["engine_groups_default"]
+        if preset == "baseline":
+            for name, expected in result["unused_ddp"].items():
+                assert torch.equal(result["unused_ours"][name], expected), name
+    for name, value in results[0]["skip"][-1][0].items():
+        assert torch.equal(results[1]["skip"][-1][0][name], value), name
