@@ -49,7 +49,7 @@ from emulation import LIGHTNING_LANES, Network, Phase, PhaseTimer, spin_accuracy
 from gpt_step import VOCAB, build_gpt, engine_step, lm_loss, make_optimizer, plain_step, random_tokens
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_sdp4bit import SDP4BitConfig, SDP4BitStrategy
+from lightning_sdp4bit import SDP4BitConfig, SDP4BitStrategy, ops
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.topology import Topology
 
@@ -157,6 +157,8 @@ class EmulatedStrategy(SDP4BitStrategy):
 
     def _configure_launcher(self) -> None:
         self.config.resolve_ranks_per_node(self._emulated_world)  # fail now, as the real one does
+        if self.parallel_devices:
+            ops.check_kernel_limits(self.config, self.parallel_devices[0].type)
         self._launcher = None
 
 

@@ -124,7 +124,9 @@ class Lane:
 
     def __init__(self, name: str, device: torch.device, spin: Callable[[int], None] | None):
         self.name = name
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # High priority, as a network does not wait for SMs to free up; it also keeps the lanes
+        # out of the low-priority pool that torch.cuda.Stream() hands the engine's own streams from.
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._spin = spin
         self.gbs = math.inf  # GB/s per GPU; inf = no wait (the compute-only phase)
         self.busy_ns = 0.0  # sum of the waits charged since the last reset

@@ -23,11 +23,11 @@ VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64, as nanoGPT does
 MAX_NORM = 1.0  # gradient clipping, 2-norm
 
 
-def build_gpt(n_layer: int, n_head: int, n_embd: int, seq: int, device: torch.device) -> GPT:
+def build_gpt(n_layer: int, n_head: int, n_embd: int, seq: int, device: torch.device, vocab: int = VOCAB) -> GPT:
     """The example GPT in bf16 on `device`, seeded. Initialised on the device itself: a 1.3B
     model initialised on the CPU first takes tens of seconds."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     with torch.device(device):
         return GPT(config).to(torch.bfloat16)
 
@@ -36,9 +36,9 @@ def make_optimizer(params, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
 
 
-def random_tokens(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+def random_tokens(batch: int, seq: int, device: torch.device, vocab: int = VOCAB) -> torch.Tensor:
     """[batch, seq + 1] token ids: inputs are [:, :-1], targets [:, 1:]."""
-    return torch.randint(0, VOCAB, (batch, seq + 1), device=device)
+    return torch.randint(0, vocab, (batch, seq + 1), device=device)
 
 
 def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
