@@ -46,7 +46,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
@@ -364,13 +363,13 @@ class PhaseTimer:
         self.network, self.steps, self.profile_path = network, args.steps, profile
         warmup, settle, steps = args.warmup, args.settle, args.steps
         self.cuda = args.device.type == "cuda"
-        self._marks: list[tuple[int, object]] = [(0, partial(self._set_rates, phases[0]))]
+        self._marks: list[tuple[int, object]] = [(0, functools.partial(self._set_rates, phases[0]))]
         count = warmup
         for phase in phases:
-            self._marks.append((count, partial(self._set_rates, phase)))
-            self._marks.append((count + settle, partial(self._start, phase)))
+            self._marks.append((count, functools.partial(self._set_rates, phase)))
+            self._marks.append((count + settle, functools.partial(self._start, phase)))
             count += settle + steps
-            self._marks.append((count, partial(self._stop, phase)))
+            self._marks.append((count, functools.partial(self._stop, phase)))
         if profile:
             self._marks += [(count, self._start_profile), (count + PROFILED, self._stop_profile)]
             count += PROFILED
