@@ -22,20 +22,14 @@ import datetime
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from gpt_step import build_gpt, engine_step, make_optimizer, random_tokens
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
-
-from gpt.model import GPT, GPTConfig  # noqa: E402
-
-import lightning_sdp4bit.comm as comm  # noqa: E402
-from lightning_sdp4bit import SDP4BitConfig  # noqa: E402
-from lightning_sdp4bit.engine import ShardedEngine  # noqa: E402
-from lightning_sdp4bit.topology import ProcessGroups, Topology  # noqa: E402
+import lightning_sdp4bit.comm as comm
+from lightning_sdp4bit import SDP4BitConfig
+from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 COMPRESSION_KERNELS = ("weight_update", "grad_encode", "grad_requantize", "grad_decode_sum")
 """Substrings of the Triton kernels' names (kernels/*.py)."""
@@ -95,28 +89,17 @@ def _device_name() -> str:
 
 
 def _measure(args: argparse.Namespace, preset: str) -> dict[str, float]:
-    torch.manual_seed(0)
-    config = GPTConfig(
-        vocab_size=50304, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
-    )
-    model = GPT(config).to(DEVICE, torch.bfloat16)
+    device = torch.device(DEVICE)
+    model = build_gpt(args.n_layer, args.n_head, args.n_embd, args.seq, device)
     topology = Topology(rank=0, world_size=args.world, ranks_per_node=args.ranks_per_node)
     sdp_config = SDP4BitConfig.preset(preset, ranks_per_node=args.ranks_per_node)
     engine = ShardedEngine(model, sdp_config, topology, ProcessGroups(None, None, None))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=DEVICE == "cuda")
+    optimizer = make_optimizer(model.parameters(), device)
     engine.shard_optimizer(optimizer)
-    tokens = torch.randint(0, 50304, (args.batch, args.seq + 1), device=DEVICE)
+    tokens = random_tokens(args.batch, args.seq, device)
 
     def step() -> None:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        engine.check_weights_were_waited()
-        loss.backward()
-        engine.finish_grad_sync()
-        engine.clip_grad_norm(1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        engine.start_weight_sync()
+        engine_step(model, engine, optimizer, tokens)
 
     for _ in range(args.warmup):
         step()

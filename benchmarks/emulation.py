@@ -1,0 +1,436 @@
+"""One GPU as rank 0 of a W-rank job: loopback collectives that take the network's time.
+
+`Network.install()` replaces the functions of `lightning_sdp4bit.comm` (every collective the
+engine issues) and the tensor collectives of `torch.distributed` that Lightning calls directly
+(broadcast, all_reduce, all_gather, barrier) with loopbacks, and `create_process_groups` with
+`Network.groups`, so that the engine and the strategy believe they are rank 0 of W ranks.
+
+Words used here:
+- link: the physical path a rank's bytes cross. NVLink inside a node; the NIC between nodes.
+- lane: one FIFO of collectives on its own CUDA stream, as an NCCL communicator runs its
+  operations in order. "intra" takes the engine's intra-node groups (NVLink); "inter" its
+  inter-node groups (the NIC); "world" its world group and every group it does not know (it
+  crosses the NIC when there are several nodes, so it is charged at the NIC's rate, else at
+  NVLink's). Lightning's own calls on the default group take the world lane too (one
+  communicator, as today: they queue behind the engine's world-group all-gathers), or a lane of
+  their own with `lightning_lane="own"` (the engine on communicators of its own).
+
+A collective on a lane: the lane's stream waits for the caller's current stream (the inputs
+are ready), copies (rank 0's share of the result, as if every peer had sent what rank 0 sent),
+then spins on the GPU's %globaltimer for bytes / bandwidth (1 GB/s = 1 byte per ns; %globaltimer
+counts nanoseconds whatever the SM clock does, unlike torch.cuda._sleep). `async_op=True`
+returns a work handle whose `wait()` makes the caller's current stream wait for the lane's event,
+as NCCL's does; a synchronous call waits in place. No per-message latency is modelled.
+
+What the loopbacks write, and the bytes a ring moves per rank for a group of G ranks (the
+copies themselves cost a few microseconds of the lane; they are not counted as busy):
+- all_gather(out [G n], in [n]): out = in repeated G times;          (G-1)/G * out bytes
+- reduce_scatter(out [n], in [G n]): out = in's first chunk;          (G-1)/G * in bytes
+  (the engine divides by the world before it, so this is the mean of identical ranks)
+- all_to_all(out, in): out = in;                                      (G-1)/G * in bytes
+- all_reduce(t): t *= G (the sum of G identical ranks);               2(G-1)/G * t bytes
+  Lightning's all_reduce leaves t as it is: it divides by the real one-rank group's size.
+- broadcast(t): t unchanged (rank 0 is the source);                   t bytes
+- barrier: nothing;                                                   0 bytes
+On the CPU (the dry run) the copies run inline and nothing waits; bytes are still counted.
+
+`PhaseTimer` drives one run through phases (settings of the link rates) and times each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import lightning_sdp4bit.comm as comm
+import lightning_sdp4bit.topology as topology_module
+from lightning_sdp4bit.topology import ProcessGroups, Topology
+
+__all__ = ["FakeGroup", "Lane", "Network", "Phase", "PhaseTimer", "spin_accuracy", "spin_kernel"]
+
+PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
+
+LIGHTNING_LANES = ("shared", "own")
+
+
+@functools.cache
+def spin_kernel() -> Callable[[int], None]:
+    """A one-warp kernel that returns `ns` nanoseconds of %globaltimer after it starts.
+
+    Triton, not a CUDA extension: no nvcc needed. do_not_specialize keeps Triton from compiling
+    a variant per value of ns (it still compiles one for int32 and one for int64 values).
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _now():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit(do_not_specialize=["ns"])
+    def _spin_kernel(ns):
+        start = _now()
+        now = start
+        while now - start < ns:
+            now = _now()
+
+    def spin(ns: int) -> None:
+        _spin_kernel[(1,)](ns, num_warps=1)
+
+    return spin
+
+
+@functools.cache
+def spin_accuracy(wait_ms: float = 20.0) -> float:
+    """Measured / requested time of one wait of `wait_ms`, by CUDA events (1.00 = exact). Run
+    once per process, after a first call that compiles the kernel."""
+    spin = spin_kernel()
+    spin(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    spin(int(wait_ms * 1e6))
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / wait_ms
+
+
+class _Work:
+    """The handle of an asynchronous collective: `wait()` orders the caller's stream after it."""
+
+    def __init__(self, done: torch.cuda.Event | None):
+        self._done = done
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is None or self._done.query()
+
+
+class Lane:
+    """One FIFO of collectives: a CUDA stream, its bandwidth, and what it was charged."""
+
+    def __init__(self, name: str, device: torch.device, spin: Callable[[int], None] | None):
+        self.name = name
+        # High priority, as a network does not wait for SMs to free up; it also keeps the lanes
+        # out of the low-priority pool that torch.cuda.Stream() hands the engine's own streams from.
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self._spin = spin
+        self.gbs = math.inf  # GB/s per GPU; inf = no wait (the compute-only phase)
+        self.busy_ns = 0.0  # sum of the waits charged since the last reset
+        self.ops = 0  # collectives run since the last reset
+
+    def reset(self) -> None:
+        self.busy_ns, self.ops = 0.0, 0
+
+    def run(self, nbytes: float, tensors: tuple, loopback: Callable[[], Any], async_op: bool) -> _Work | None:
+        """Copy with `loopback`, then wait nbytes / gbs on this lane; see the module docstring."""
+        ns = 0.0 if math.isinf(self.gbs) else nbytes / self.gbs
+        self.busy_ns += ns
+        self.ops += 1
+        if self.stream is None:  # the CPU: in place, at once
+            loopback()
+            return _Work(None) if async_op else None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            loopback()
+            if ns >= 1:
+                self._spin(int(ns))
+            done = torch.cuda.Event()
+            done.record()
+        for tensor in tensors:  # as NCCL stashes them: not reused before the lane is done
+            tensor.record_stream(self.stream)
+        work = _Work(done)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FakeGroup:
+    """Stands for one process group of the emulated job; its collectives take `lane`."""
+
+    name: str
+    lane: Lane
+    ranks: int
+
+    def size(self) -> int:
+        return self.ranks
+
+    def rank(self) -> int:
+        return 0
+
+
+class Network:
+    """The emulated job seen from rank 0: lanes, their rates, the fake process groups."""
+
+    def __init__(self, device: torch.device, topology: Topology, lightning_lane: str = "shared"):
+        if lightning_lane not in LIGHTNING_LANES:
+            raise ValueError(f"lightning_lane must be one of {LIGHTNING_LANES}, got {lightning_lane!r}")
+        if topology.rank != 0:
+            raise ValueError("the emulation plays rank 0")
+        self.topology = topology
+        spin = spin_kernel() if device.type == "cuda" else None
+        self.intra, self.inter, self.world = (Lane(name, device, spin) for name in ("intra", "inter", "world"))
+        self.lightning = self.world if lightning_lane == "shared" else Lane("lightning", device, spin)
+        self.lanes = [self.intra, self.inter, self.world] + ([self.lightning] if lightning_lane == "own" else [])
+        self.lightning_ops = 0  # torch.distributed calls made outside comm (Lightning, the adapter)
+
+    def set_rates(self, nvlink_gbs: float, nic_gbs: float) -> None:
+        """GB/s per GPU on each link; math.inf for both gives the compute-only step."""
+        self.intra.gbs, self.inter.gbs = nvlink_gbs, nic_gbs
+        self.world.gbs = self.lightning.gbs = nic_gbs if self.topology.has_inter_stage else nvlink_gbs
+
+    def reset(self) -> None:
+        self.lightning_ops = 0
+        for lane in self.lanes:
+            lane.reset()
+
+    def link_busy_ns(self) -> dict[str, float]:
+        """Busy time per physical link: the world lanes are charged to the link they cross."""
+        world = self.world.busy_ns + (self.lightning.busy_ns if self.lightning is not self.world else 0.0)
+        several_nodes = self.topology.has_inter_stage
+        return {
+            "intra": self.intra.busy_ns,
+            "inter": self.inter.busy_ns,
+            "world": world,
+            "nvlink": self.intra.busy_ns + (0.0 if several_nodes else world),
+            "nic": self.inter.busy_ns + (world if several_nodes else 0.0),
+        }
+
+    # ----------------------------------------------------------------------------------------
+    # Process groups
+
+    def groups(self, topology: Topology | None = None) -> ProcessGroups:
+        """A ProcessGroups of FakeGroups shaped as create_process_groups shapes the real ones: a
+        stage that spans the world uses the world group, an absent stage is None. Fields other
+        than world/intra/inter (groups the engine may gain) get a group of their own, on the
+        intra or inter lane when their name says so, else on the world lane."""
+        topo = topology if topology is not None else self.topology
+        if topo != self.topology:
+            raise ValueError(f"the network emulates {self.topology}, not {topo}")
+        world = FakeGroup("world", self.world, topo.world_size)
+        intra = inter = world
+        if not topo.has_intra_stage:
+            intra = None
+        elif topo.has_inter_stage:
+            intra = FakeGroup("intra", self.intra, topo.ranks_per_node)
+        if not topo.has_inter_stage:
+            inter = None
+        elif topo.has_intra_stage:
+            inter = FakeGroup("inter", self.inter, topo.nodes)
+        base = {"world": world, "intra": intra, "inter": inter}
+        values = {}
+        for field in dataclasses.fields(ProcessGroups):
+            if field.name in base:
+                values[field.name] = base[field.name]
+                continue
+            like = base["intra" if "intra" in field.name else "inter" if "inter" in field.name else "world"]
+            values[field.name] = None if like is None else FakeGroup(field.name, like.lane, like.ranks)
+        return ProcessGroups(**values)
+
+    def _group(self, group: Any, default: Lane) -> tuple[Lane, int]:
+        """(lane, ranks) of a collective on `group`: ours, or anything else on `default`."""
+        if isinstance(group, FakeGroup):
+            return group.lane, group.ranks
+        return default, self.topology.world_size
+
+    def _dist_group(self, group: Any) -> tuple[Lane, int]:
+        """(lane, ranks) of a torch.distributed call made outside comm, counted."""
+        self.lightning_ops += 1
+        return self._group(group, self.lightning)
+
+    # ----------------------------------------------------------------------------------------
+    # The collectives
+
+    def all_gather(self, output, input, group=None, async_op=False):
+        ranks = output.numel() // input.numel()
+        lane = self._group(group, self.world)[0]
+
+        def loopback():
+            output.view(ranks, input.numel()).copy_(input.reshape(1, -1).expand(ranks, -1))
+
+        return lane.run((ranks - 1) / ranks * output.nbytes, (output, input), loopback, async_op)
+
+    def reduce_scatter(self, output, input, group=None, async_op=False):
+        ranks = input.numel() // output.numel()
+        lane = self._group(group, self.world)[0]
+
+        def loopback():
+            output.copy_(input.reshape(ranks, -1)[0].view_as(output))
+
+        return lane.run((ranks - 1) / ranks * input.nbytes, (output, input), loopback, async_op)
+
+    def all_to_all(self, output, input, group=None, async_op=False):
+        lane, ranks = self._group(group, self.world)
+        return lane.run((ranks - 1) / ranks * input.nbytes, (output, input), lambda: output.copy_(input), async_op)
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        lane, ranks = self._group(group, self.world)
+        return lane.run(2 * (ranks - 1) / ranks * tensor.nbytes, (tensor,), lambda: tensor.mul_(ranks), async_op)
+
+    def broadcast(self, tensor, src=0, group=None, async_op=False):
+        lane, _ = self._group(group, self.world)
+        return lane.run(tensor.nbytes, (tensor,), lambda: None, async_op)
+
+    # torch.distributed's signatures, for the calls Lightning and the adapter make directly.
+
+    def _dist_broadcast(self, tensor, src=0, group=None, async_op=False, **kwargs):
+        lane, _ = self._dist_group(group)
+        return lane.run(tensor.nbytes, (tensor,), lambda: None, async_op)
+
+    def _dist_all_reduce(self, tensor, op=None, group=None, async_op=False):
+        lane, ranks = self._dist_group(group)
+        return lane.run(2 * (ranks - 1) / ranks * tensor.nbytes, (tensor,), lambda: None, async_op)
+
+    def _dist_all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        lane, _ = self._dist_group(group)
+        ranks = len(tensor_list)
+
+        def loopback():
+            for out in tensor_list:
+                out.copy_(tensor)
+
+        nbytes = (ranks - 1) * tensor.nbytes
+        return lane.run(nbytes, (tensor, *tensor_list), loopback, async_op)
+
+    def _dist_barrier(self, group=None, async_op=False, device_ids=None):
+        lane, _ = self._dist_group(group)
+        return lane.run(0, (), lambda: None, async_op)
+
+    # ----------------------------------------------------------------------------------------
+    # Installing
+
+    @contextlib.contextmanager
+    def install(self) -> Iterator[Network]:
+        """Patch comm, torch.distributed's tensor collectives and every module of the package
+        that holds `create_process_groups`; everything is restored on exit."""
+        patches: list[tuple[Any, str, Any]] = []
+        for name in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"):
+            patches.append((comm, name, getattr(self, name)))
+        for name in ("broadcast", "all_reduce", "all_gather", "barrier"):
+            patches.append((dist, name, getattr(self, f"_dist_{name}")))
+        original = topology_module.create_process_groups
+        for module in list(sys.modules.values()):
+            holds = getattr(module, "__name__", "").startswith("lightning_sdp4bit")
+            if holds and getattr(module, "create_process_groups", None) is original:
+                patches.append((module, "create_process_groups", self.groups))
+        saved = [(target, name, getattr(target, name)) for target, name, _ in patches]
+        try:
+            for target, name, value in patches:
+                setattr(target, name, value)
+            yield self
+        finally:
+            for target, name, value in saved:
+                setattr(target, name, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing a run
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One setting of the links within a run: `compute` (no wait) or a scenario."""
+
+    name: str
+    nvlink_gbs: float = math.inf
+    nic_gbs: float = math.inf
+
+
+class PhaseTimer:
+    """Drives one run through its phases: call `after_step()` after every optimizer step.
+
+    `warmup` steps at the first phase's rates; then per phase `settle` steps at its rates, and
+    `steps` steps timed back to back (CUDA events on the compute stream, nothing synchronized
+    until `results()`); then, with `profile`, `PROFILED` more steps of the last phase traced.
+    """
+
+    def __init__(self, network: Network | None, phases: list[Phase], args, profile: str | None):
+        """`args`: warmup, settle, steps (step counts) and device."""
+        self.network, self.steps, self.profile_path = network, args.steps, profile
+        warmup, settle, steps = args.warmup, args.settle, args.steps
+        self.cuda = args.device.type == "cuda"
+        self._marks: list[tuple[int, object]] = [(0, functools.partial(self._set_rates, phases[0]))]
+        count = warmup
+        for phase in phases:
+            self._marks.append((count, functools.partial(self._set_rates, phase)))
+            self._marks.append((count + settle, functools.partial(self._start, phase)))
+            count += settle + steps
+            self._marks.append((count, functools.partial(self._stop, phase)))
+        if profile:
+            self._marks += [(count, self._start_profile), (count + PROFILED, self._stop_profile)]
+            count += PROFILED
+        self.total_steps, self._count, self._open = count, 0, {}
+        self._done: dict[str, dict] = {}
+        self._fire()
+
+    def after_step(self) -> None:
+        self._count += 1
+        self._fire()
+
+    def _fire(self) -> None:
+        while self._marks and self._marks[0][0] == self._count:
+            self._marks.pop(0)[1]()
+
+    def _set_rates(self, phase: Phase) -> None:
+        if self.network is not None:
+            self.network.set_rates(phase.nvlink_gbs, phase.nic_gbs)
+
+    def _clock(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _start(self, phase: Phase) -> None:
+        if self.network is not None:
+            self.network.reset()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._open[phase.name] = self._clock()
+
+    def _stop(self, phase: Phase) -> None:
+        end, network = self._clock(), self.network
+        busy = {k: v / 1e6 / self.steps for k, v in network.link_busy_ns().items()} if network else {}
+        self._done[phase.name] = {
+            "clocks": (self._open.pop(phase.name), end),
+            "busy_ms": busy,
+            "lightning_ops": network.lightning_ops / self.steps if network else 0.0,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
+        }
+
+    def _start_profile(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] * self.cuda)
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.start()
+
+    def _stop_profile(self) -> None:
+        self._profiler.stop()
+        self._profiler.export_chrome_trace(self.profile_path)
+        print(f"  wrote {self.profile_path}", file=sys.stderr)
+
+    def results(self) -> dict[str, dict]:
+        """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib."""
+        if self._marks:
+            raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
+        if self.cuda:
+            torch.cuda.synchronize()
+        for result in self._done.values():
+            start, end = result.pop("clocks")
+            elapsed = start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
+            result["step_ms"] = elapsed / self.steps
+        return self._done

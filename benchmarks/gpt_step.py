@@ -1,0 +1,66 @@
+"""The GPT training step the one-GPU benchmarks time (training_step.py, emulated_network.py).
+
+One place for the model, the optimizer, the tokens and the two steps (with and without the
+engine), so that both benchmarks time exactly the same work: the example GPT in bf16, fused
+AdamW (lr 1e-4, weight decay 0.1), fp32 cross-entropy, gradients clipped to a 2-norm of 1.0.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt.model import GPT, GPTConfig  # noqa: E402
+
+__all__ = ["VOCAB", "build_gpt", "engine_step", "lm_loss", "make_optimizer", "plain_step", "random_tokens"]
+
+VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64, as nanoGPT does
+MAX_NORM = 1.0  # gradient clipping, 2-norm
+
+
+def build_gpt(n_layer: int, n_head: int, n_embd: int, seq: int, device: torch.device, vocab: int = VOCAB) -> GPT:
+    """The example GPT in bf16 on `device`, seeded. Initialised on the device itself: a 1.3B
+    model initialised on the CPU first takes tens of seconds."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    with torch.device(device):
+        return GPT(config).to(torch.bfloat16)
+
+
+def make_optimizer(params, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+
+
+def random_tokens(batch: int, seq: int, device: torch.device, vocab: int = VOCAB) -> torch.Tensor:
+    """[batch, seq + 1] token ids: inputs are [:, :-1], targets [:, 1:]."""
+    return torch.randint(0, vocab, (batch, seq + 1), device=device)
+
+
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def engine_step(model, engine, optimizer, tokens: torch.Tensor) -> None:
+    """One optimizer step through the sharded engine, in the order the Lightning adapter drives it."""
+    loss = lm_loss(model, tokens)
+    engine.check_weights_were_waited()
+    loss.backward()
+    engine.finish_grad_sync()
+    engine.clip_grad_norm(MAX_NORM)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    engine.start_weight_sync()
+
+
+def plain_step(model, optimizer, tokens: torch.Tensor) -> None:
+    """The same step in plain PyTorch, without any strategy: the floor."""
+    lm_loss(model, tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
