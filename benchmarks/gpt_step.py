@@ -53,6 +53,7 @@ def engine_step(model, engine, optimizer, tokens: torch.Tensor) -> None:
     loss.backward()
     engine.finish_grad_sync()
     engine.clip_grad_norm(MAX_NORM)
+    engine.prepare_step()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     engine.start_weight_sync()

@@ -99,7 +99,7 @@ def _train(rank, world, preset, device, use_ddp, steps):
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         if not use_ddp:
-            engine.finish_grad_sync()
+            engine.prepare_step()
         optimizer.step()
         optimizer.zero_grad()
         if not use_ddp:

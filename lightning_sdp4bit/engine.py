@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 # Shards stay a multiple of this many elements even uncompressed: 32 keeps every packed
 # payload row a whole number of 32-bit words (see reference.ops.payload_row_bytes).
 _MIN_ALIGNMENT = 32
+# Weight all-gathers started ahead of the bucket a forward pre-hook waits for, on a GPU.
+_GPU_WEIGHT_PREFETCH = 2
 
 
 def shard_alignment(config: SDP4BitConfig) -> int:
@@ -120,7 +122,12 @@ class ShardedEngine:
         self.grad_collectives = [self._grad_collective(b) for b in self.buckets]
         self.weight_collectives = [self._weight_collective(b) for b in self.buckets]
         self.schedule = BucketSchedule(
-            len(self.buckets), self._start_grad_exchange, self._start_weight_exchange, self._weights_landed
+            len(self.buckets),
+            self._start_grad_exchange,
+            self._start_weight_exchange,
+            self._weights_landed,
+            # On a GPU a wait costs the host nothing, so exchanges can go out just ahead of forward.
+            weight_prefetch=_GPU_WEIGHT_PREFETCH if self.buckets[0].weights.is_cuda else None,
         )
         self.step = 0
         self.grad_sync_enabled = True
@@ -131,6 +138,13 @@ class ShardedEngine:
         self._accumulated = False  # the accumulators hold gradients not yet exchanged
         self._norm_versions: tuple[int, ...] | None = None  # grad shards' versions when verdict.norm was taken
         self._stale_window_warned = False
+        self._decided = False  # prepare_step applied the current verdict
+        self._skip_on_host = False
+        self._nonfinite_logged = 0
+        self.optimizers: list[torch.optim.Optimizer] = []  # re-pointed by shard_optimizer
+        # Steps skipped on the device (fused optimizers), counted there and read a step late.
+        self._nonfinite_on_device = torch.zeros((), dtype=torch.float32, device=named[0][1].device)
+        self._nonfinite_read = torch.zeros((), dtype=torch.float32, pin_memory=named[0][1].is_cuda)
         self._wait_all_before_forward = False
         self._hooks = self._register_hooks()
 
@@ -294,11 +308,43 @@ class ShardedEngine:
                 for bucket, received in zip(self.buckets, self._received, strict=True)
                 for position in range(len(bucket.params))
             ]
-            self.verdict = decide_step([b.grad_shard for b in self.buckets], used_here, self.groups.world)
+            shards = [b.grad_shard for b in self.buckets]
+            self.verdict = decide_step(shards, used_here, self.groups.world, self.groups.host or self.groups.world)
         self._norm_versions = self._grad_versions()
-        if not self.verdict.finite:
-            self._on_nonfinite()
-        self._point_fragment_grads()
+        self._decided = False
+        for records in self.fragments_by_name.values():
+            for record in records:
+                record.master.grad = record.grad
+
+    def prepare_step(self) -> None:
+        """Right before the optimizer steps: take in weight edits, then apply the verdict. A
+        parameter that got no gradient on any rank (and every one, on a skipped step) has its
+        fragments' .grad set to None, so that the optimizer leaves it alone, as under DDP.
+        Raises NonFiniteGradientError on every rank with nonfinite="error"."""
+        self.finish_grad_sync()
+        self.absorb_weight_edits()
+        if self._decided:
+            return
+        self._decided = True
+        verdict = self.verdict
+        assert verdict is not None
+        mode = self.config.nonfinite
+        on_device = mode is NonFinite.SKIP and all(_skips_on_device(opt) for opt in self.optimizers)
+        for optimizer in self.optimizers:
+            # Fused optimizers skip their whole update on the device when found_inf is 1, as they
+            # do for GradScaler: no host synchronisation (grad_scale None: nothing to unscale).
+            optimizer.grad_scale, optimizer.found_inf = None, verdict.nonfinite_flag if on_device else None
+        self._skip_on_host = False
+        if mode is NonFinite.ERROR or (mode is NonFinite.SKIP and not on_device):
+            if not verdict.finite:
+                self._on_nonfinite()
+                self._skip_on_host = True
+        if on_device:
+            self._nonfinite_on_device += verdict.nonfinite_flag
+        for records in self.fragments_by_name.values():
+            for record in records:
+                if self._skip_on_host or not verdict.used[record.param_index]:
+                    record.master.grad = None
 
     def _on_nonfinite(self) -> None:
         mode = self.config.nonfinite
@@ -320,15 +366,9 @@ class ShardedEngine:
 
     @property
     def skips_step(self) -> bool:
-        """Whether the reduced window's step is skipped (non-finite gradients, nonfinite='skip')."""
-        return self.verdict is not None and not self.verdict.finite and self.config.nonfinite is NonFinite.SKIP
-
-    def _point_fragment_grads(self) -> None:
-        used = self.verdict.used if self.verdict is not None else ()
-        for records in self.fragments_by_name.values():
-            for record in records:
-                keep = not self.skips_step and used[record.param_index]
-                record.master.grad = record.grad if keep else None
+        """Whether the host skips this step (non-finite gradients, nonfinite='skip', an optimizer
+        that cannot skip on the device): then no weight exchange either."""
+        return self._decided and self._skip_on_host
 
     def discard_grads(self) -> None:
         """zero_grad(): drop every accumulated and reduced gradient; a new window starts."""
@@ -341,6 +381,7 @@ class ShardedEngine:
                     bucket.grad_accumulator.zero_()
             self._accumulated = False
         self._reset_window()
+        self._decided = False
         for records in self.fragments_by_name.values():
             for record in records:
                 record.master.grad = None
@@ -359,16 +400,15 @@ class ShardedEngine:
 
         The norm is the step verdict's (one all-reduce of the squared sums, already done) unless
         the shards changed since; the scaling follows torch.nn.utils.clip_grad_norm_
-        (coefficient max_norm / (norm + 1e-6), capped at 1). A skipped step is left as it is.
-        Returns the global norm before clipping.
+        (coefficient max_norm / (norm + 1e-6), capped at 1). Returns the global norm before
+        clipping (non-finite if a gradient is: then the step is skipped or raises in
+        `prepare_step`, whatever clipping did to the shards).
         """
         self.finish_grad_sync()
         assert self.verdict is not None
         norm = self.verdict.norm
         if self._grad_versions() != self._norm_versions:
             norm = self._fresh_norm()
-        if self.skips_step:
-            return norm
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for bucket in self.buckets:
             bucket.grad_shard.mul_(coefficient)
@@ -385,23 +425,21 @@ class ShardedEngine:
     # ----------------------------------------------------------------------------------------
     # Weights
 
-    def absorb_weight_edits(self) -> int:
+    def absorb_weight_edits(self) -> None:
         """Copy in-place edits of the model weights (made since the last exchange) into the fp32
         masters, element by element, so that the next step starts from them. Local: each rank
-        takes in its own shard. Returns the number of edited elements on this rank.
+        takes in its own shard; unedited elements keep their fp32 masters.
 
-        Unedited elements keep their fp32 masters. Costs one comparison of the weight shard with
-        the applied shard ([S] per bucket) and one host synchronisation.
+        One pass over this rank's shards ([S] per bucket: the weight and applied shards, the
+        master), with no host synchronisation: cheaper on a GPU than asking whether anything
+        changed.
         """
         self.wait_weights()
         with torch.no_grad():
-            masks = [bucket.weight_shard != bucket.applied_shard for bucket in self.buckets]
-            counts = torch.stack([mask.sum() for mask in masks]).tolist()
-            for bucket, mask, count in zip(self.buckets, masks, counts, strict=True):
-                if count:
-                    bucket.master.copy_(torch.where(mask, bucket.weight_shard.float(), bucket.master))
-                    bucket.applied_shard.copy_(bucket.weight_shard)
-        return int(sum(counts))
+            for bucket in self.buckets:
+                edited = bucket.weight_shard != bucket.applied_shard
+                torch.where(edited, bucket.weight_shard.float(), bucket.master, out=bucket.master)
+                bucket.applied_shard.copy_(bucket.weight_shard)
 
     def _start_weight_exchange(self, index: int) -> Pending:
         with torch.no_grad():
@@ -419,8 +457,18 @@ class ShardedEngine:
             self.schedule.start_weights()
         self.step += 1
         stats = self.meter.end_step()
-        stats["nonfinite_steps"] = self.nonfinite_steps
+        stats["nonfinite_steps"] = self.nonfinite_steps + self._nonfinite_steps_on_device()
         return stats
+
+    def _nonfinite_steps_on_device(self) -> int:
+        """The device-side skip count as of about one step ago: the copy issued last step has
+        landed by now, and the one issued here is read next step (no host synchronisation)."""
+        landed = int(self._nonfinite_read.item())
+        self._nonfinite_read.copy_(self._nonfinite_on_device, non_blocking=True)
+        if landed > self._nonfinite_logged and self.topology.rank == 0:
+            log.warning("sdp4bit: %d optimizer steps skipped so far for non-finite gradients", landed)
+        self._nonfinite_logged = landed
+        return landed
 
     def weights_loaded(self) -> None:
         """The weights were written from outside (a checkpoint): take them as the applied ones."""
@@ -466,6 +514,11 @@ class ShardedEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` honours `found_inf` on the device (torch's fused optimizers)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 class _GradReadyHook:

@@ -59,6 +59,7 @@ def shard_optimizer(engine: ShardedEngine, optimizer: torch.optim.Optimizer) -> 
         group["params"] = new_params
         group_names.append(names)
     engine.optimizer_param_names.append(group_names)
+    engine.optimizers.append(optimizer)
     _wrap_methods(engine, optimizer)
 
 

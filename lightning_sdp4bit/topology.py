@@ -60,6 +60,7 @@ class ProcessGroups:
     world: Any  # every rank, on a communicator of the engine's own (not the default group)
     intra: Any  # this rank's node; None with one rank per node
     inter: Any  # this rank's peers at the same local index; None with one node
+    host: Any = None  # every rank, for CPU tensors (gloo): host-side agreement with no GPU sync
 
 
 def create_process_groups(topology: Topology) -> ProcessGroups:
@@ -69,7 +70,8 @@ def create_process_groups(topology: Topology) -> ProcessGroups:
     on one communicator run in issue order, so Lightning's own (the per-batch SIGTERM broadcast,
     `sync_dist` logging, barriers) would otherwise queue behind the weight all-gathers still in
     flight, and the next batch could not start before they ended. A stage whose group would
-    hold every rank uses that world group; an absent stage gets None.
+    hold every rank uses that world group; an absent stage gets None. The host group carries
+    CPU tensors (the world group itself on gloo, a gloo group of its own beside NCCL).
     """
     world = dist.new_group(ranks=list(range(topology.world_size)))
 
@@ -82,4 +84,6 @@ def create_process_groups(topology: Topology) -> ProcessGroups:
     local_indices = [topology.local_index_ranks(local) for local in range(topology.ranks_per_node)]
     intra = subgroup(topology.has_intra_stage, not topology.has_inter_stage, nodes)
     inter = subgroup(topology.has_inter_stage, not topology.has_intra_stage, local_indices)
-    return ProcessGroups(world=world, intra=intra, inter=inter)
+    ranks = list(range(topology.world_size))
+    host = world if dist.get_backend() == "gloo" else dist.new_group(ranks=ranks, backend="gloo")
+    return ProcessGroups(world=world, intra=intra, inter=inter, host=host)

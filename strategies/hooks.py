@@ -9,7 +9,8 @@ after each step would cost the overlap for everyone, so the wait is lazy:
   LightningModule overrides, so that it first completes the weight exchange. Hooks that only
   Lightning's own callbacks define (progress bars, ModelCheckpoint, which saves through the
   strategy, LearningRateMonitor, ...) read no weights and are left alone: with none overridden,
-  nothing waits outside the forward pre-hooks.
+  nothing waits outside the forward pre-hooks. A callback or module whose hooks read no
+  weights (a timer, a metrics logger) says so with a class attribute `reads_weights = False`.
 - `overrides_hook` tells the adapter whether anyone reads `p.grad` in `on_before_optimizer_step`,
   so that the full gradients (an fp32 all-gather) are put on the parameters only then.
 """
@@ -83,6 +84,8 @@ class WeightReadingHooks:
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         for obj in [*trainer.callbacks, module]:
+            if getattr(obj, "reads_weights", True) is False:
+                continue
             for name in _HOOKS:
                 if overrides_hook(obj, name) and name not in vars(obj):
                     setattr(obj, name, self._waiting(getattr(obj, name)))

@@ -285,7 +285,7 @@ class SDP4BitStrategy(ParallelStrategy):
         self.precision_plugin._clip_gradients(
             model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
         )
-        self.engine.absorb_weight_edits()
+        self.engine.prepare_step()
 
     # ----------------------------------------------------------------------------------------
     # The training loop

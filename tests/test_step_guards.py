@@ -17,11 +17,17 @@ from models import WIDTH, TinyLMModule
 
 
 class InjectsNonFinite(TinyLMModule):
-    """Step 1: one Inf gradient element on rank 1. Step 2: a NaN loss on rank 0."""
+    """Step 1: one Inf gradient element on rank 1. Step 2: a NaN loss on rank 0. With
+    `fused`, a fused AdamW, which skips on the device (found_inf) instead of on the host."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, fused=False, **kwargs):
         super().__init__(**kwargs)
-        self.snapshots, self.handle = [], None
+        self.snapshots, self.handle, self.fused = [], None, fused
+
+    def configure_optimizers(self):
+        if not self.fused:
+            return super().configure_optimizers()
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -39,7 +45,8 @@ class InjectsNonFinite(TinyLMModule):
             self.handle = None
         optimizer = self.trainer.strategy.optimizers[0]
         moments = sum(float(s["exp_avg"].abs().sum()) for s in optimizer.state.values() if "exp_avg" in s)
-        self.snapshots.append((weights(self), moments, dict(self.trainer.strategy.comm_stats)))
+        masters = torch.cat([b.master.clone() for b in self.trainer.strategy.engine.buckets])
+        self.snapshots.append((weights(self), moments, dict(self.trainer.strategy.comm_stats), masters))
 
 
 class UnusedOnEvenSteps(TinyLMModule):
@@ -69,6 +76,9 @@ def _guards(rank, world, preset):
             out[mode] = module.snapshots
         except NonFiniteGradientError as error:
             out[mode] = str(error)
+    module = InjectsNonFinite(fused=True)
+    make_trainer(world, sdp4bit(preset=preset), max_steps=4).fit(module)
+    out["skip_on_device"] = module.snapshots
 
     groups = []
     for name in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"):
@@ -103,13 +113,18 @@ def test_nonfinite_modes_unused_parameters_and_own_groups(preset):
     for result in results:
         skipped = result["skip"]
         assert len(skipped) == 4
-        (w0, m0, _), (w1, m1, s1), (w2, m2, s2), (w3, _, s3) = skipped
+        (w0, m0, _, _), (w1, m1, s1, _), (w2, m2, s2, _), (w3, _, s3, _) = skipped
         # Steps 1 and 2 are skipped: nothing changes, the counter says so, training goes on.
         for name, value in w0.items():
             assert torch.equal(w1[name], value) and torch.equal(w2[name], value), name
         assert m0 == m1 == m2
         assert (s1["nonfinite_steps"], s2["nonfinite_steps"], s3["nonfinite_steps"]) == (1, 2, 2)
         assert _assert_finite(w3) and any(not torch.equal(w3[n], w0[n]) for n in w0)
+        # A fused optimizer skips on the device: masters and moments unchanged, counted a step late.
+        device = result["skip_on_device"]
+        assert torch.equal(device[0][3], device[1][3]) and torch.equal(device[1][3], device[2][3])
+        assert device[0][1] == device[1][1] == device[2][1] and not torch.equal(device[3][3], device[0][3])
+        assert [snapshot[2]["nonfinite_steps"] for snapshot in device] == [0, 0, 1, 2]
         assert isinstance(result["error"], str) and "optimizer step 1" in result["error"]
         assert not _assert_finite(result["propagate"][1][0])
         assert not any(result["engine_groups_default"]) and result["engine_groups_default"]

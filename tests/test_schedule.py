@@ -1,0 +1,77 @@
+"""The life of a bucket (lightning_sdp4bit.schedule), with fake exchanges:
+- gradient exchanges start strictly in bucket order, whatever order buckets become ready in;
+- polling moves a two-stage exchange on only once its stage has completed, never waiting;
+- weight exchanges go out last bucket first; with a prefetch of k only k start at once, and a
+  wait starts the due ones up to k past the bucket it waits for; without, all start at once;
+- landed weights are reported once per bucket, and a new window needs the exchanges finished.
+"""
+
+import pytest
+
+from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, WeightPhase
+
+
+class FakeExchange:
+    def __init__(self, log, name):
+        self.log, self.name, self.stage_done = log, name, False
+        log.append(("start", name))
+
+    def progress(self):
+        if self.stage_done:
+            self.log.append(("stage2", self.name))
+            self.stage_done = False
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+
+
+def _schedule(count, prefetch=None):
+    log, landed, exchanges = [], [], {}
+
+    def start(kind):
+        def launch(index):
+            exchanges[(kind, index)] = FakeExchange(log, (kind, index))
+            return exchanges[(kind, index)]
+
+        return launch
+
+    schedule = BucketSchedule(count, start("grad"), start("weight"), landed.append, weight_prefetch=prefetch)
+    return schedule, log, landed, exchanges
+
+
+def test_gradient_exchanges_start_in_order_and_poll_without_waiting():
+    schedule, log, _, exchanges = _schedule(3)
+    ready = {1}
+    schedule.launch_ready(lambda i: i in ready)
+    assert log == []  # bucket 1 is ready, but bucket 0 must go first
+    ready |= {0}
+    schedule.launch_ready(lambda i: i in ready)
+    assert log == [("start", ("grad", 0)), ("start", ("grad", 1))]
+    assert schedule.grad_phase == [GradPhase.EXCHANGING, GradPhase.EXCHANGING, GradPhase.ACCUMULATING]
+    schedule.poll()
+    assert ("stage2", ("grad", 0)) not in log  # not completed: polling does nothing
+    exchanges[("grad", 0)].stage_done = True
+    schedule.poll()
+    assert ("stage2", ("grad", 0)) in log and not any(entry[0] == "wait" for entry in log)
+    with pytest.raises(RuntimeError, match="in flight"):
+        schedule.restart_grads()
+    schedule.finish_grads()
+    assert schedule.grads_reduced and ("start", ("grad", 2)) in log
+    schedule.restart_grads()
+    assert schedule.grad_phase == [GradPhase.ACCUMULATING] * 3
+
+
+@pytest.mark.parametrize("prefetch", [None, 1, 2])
+def test_weight_exchanges_go_out_last_bucket_first_and_prefetch(prefetch):
+    schedule, log, landed, _ = _schedule(5, prefetch)
+    schedule.start_weights()
+    started = [name[1] for kind, name in log if kind == "start"]
+    assert started == ([4, 3, 2, 1, 0] if prefetch is None else [4, 3, 2, 1, 0][:prefetch])
+    assert schedule.weight_phase == [WeightPhase.EXCHANGING] * 5 and not schedule.weights_current
+    schedule.wait_weights([3])  # the second module's forward
+    started = [name[1] for kind, name in log if kind == "start"]
+    assert started == [4, 3, 2, 1, 0][: 2 + (prefetch or 3)]
+    assert landed == [3] and schedule.weight_phase[3] is WeightPhase.CURRENT
+    schedule.wait_weights()
+    assert sorted(landed) == [0, 1, 2, 3, 4] and schedule.weights_current
+    assert [name[1] for kind, name in log if kind == "start"] == [4, 3, 2, 1, 0]
