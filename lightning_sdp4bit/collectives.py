@@ -15,6 +15,7 @@ CUDA, the reference elsewhere) and all communication through `lightning_sdp4bit.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, Protocol
@@ -23,13 +24,15 @@ import torch
 
 from lightning_sdp4bit import comm, ops
 from lightning_sdp4bit.buffers import Bucket
-from lightning_sdp4bit.config import SDP4BitConfig
+from lightning_sdp4bit.config import SDP4BitConfig, WeightQuant
 from lightning_sdp4bit.reference.ops import stage_seed
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = [
     "GradReduceScatter",
+    "grad_collective_for",
+    "weight_collective_for",
     "Pending",
     "PlainGradReduceScatter",
     "PlainWeightAllGather",
@@ -38,6 +41,9 @@ __all__ = [
     "TwoLevelGradReduceScatter",
     "WeightAllGather",
 ]
+
+
+log = logging.getLogger(__name__)
 
 
 class Stage(IntEnum):
@@ -225,3 +231,40 @@ class QuantizedWeightAllGather:
             )
 
         return _Single(work, apply, keepalive=payload)
+
+
+def _compresses(bucket: Bucket, config: SDP4BitConfig, topology: Topology) -> bool:
+    """Whether a bucket is quantized. With one rank nothing travels, so nothing is; buckets
+    under `min_compress_numel` travel uncompressed, and are logged so as never to be silent."""
+    if topology.world_size == 1:
+        return False
+    if bucket.layout.used_numel < config.min_compress_numel:
+        if topology.rank == 0:
+            names = ", ".join(slot.name for slot in bucket.layout.slots)
+            log.info(
+                "bucket %d (%d elements < min_compress_numel) travels uncompressed: %s",
+                bucket.layout.index,
+                bucket.layout.used_numel,
+                names,
+            )
+        return False
+    return True
+
+
+def grad_collective_for(
+    bucket: Bucket, config: SDP4BitConfig, topology: Topology, groups: ProcessGroups, meter: WireMeter
+) -> GradReduceScatter:
+    """The gradient exchange `config` asks for this bucket."""
+    if config.compresses_grads and _compresses(bucket, config, topology):
+        return TwoLevelGradReduceScatter(config, topology, groups, meter, topology.rank)
+    return PlainGradReduceScatter(groups, meter)
+
+
+def weight_collective_for(
+    bucket: Bucket, config: SDP4BitConfig, topology: Topology, groups: ProcessGroups, meter: WireMeter
+) -> WeightAllGather:
+    """The weight exchange `config` asks for this bucket."""
+    if config.compresses_weights and _compresses(bucket, config, topology):
+        additive = config.weight_quant is WeightQuant.DIFF
+        return QuantizedWeightAllGather(config, groups, meter, topology.rank, additive)
+    return PlainWeightAllGather(groups, meter)

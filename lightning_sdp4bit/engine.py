@@ -34,17 +34,10 @@ from torch import Tensor, nn
 
 from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, layout_signature, plan_buckets
-from lightning_sdp4bit.collectives import (
-    GradReduceScatter,
-    Pending,
-    PlainGradReduceScatter,
-    PlainWeightAllGather,
-    QuantizedWeightAllGather,
-    TwoLevelGradReduceScatter,
-    WeightAllGather,
-)
-from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, WeightQuant, auto_bucket_numel
+from lightning_sdp4bit.collectives import Pending, grad_collective_for, weight_collective_for
+from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, auto_bucket_numel
 from lightning_sdp4bit.guards import NonFiniteGradientError, StepVerdict, decide_step
+from lightning_sdp4bit.module_hooks import register_hooks
 from lightning_sdp4bit.optim import shard_optimizer
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase
 from lightning_sdp4bit.stats import WireMeter
@@ -119,8 +112,8 @@ class ShardedEngine:
         self.trained_names = [slot.name for b in self.buckets for slot in b.layout.slots]
         self.fragments_by_name: dict[str, list[MasterFragment]] = self._make_fragments()
         self.optimizer_param_names: list[list[list[str]]] = []  # per re-pointed optimizer, per group
-        self.grad_collectives = [self._grad_collective(b) for b in self.buckets]
-        self.weight_collectives = [self._weight_collective(b) for b in self.buckets]
+        self.grad_collectives = [grad_collective_for(b, config, topology, groups, self.meter) for b in self.buckets]
+        self.weight_collectives = [weight_collective_for(b, config, topology, groups, self.meter) for b in self.buckets]
         self.schedule = BucketSchedule(
             len(self.buckets),
             self._start_grad_exchange,
@@ -146,7 +139,7 @@ class ShardedEngine:
         self._nonfinite_on_device = torch.zeros((), dtype=torch.float32, device=named[0][1].device)
         self._nonfinite_read = torch.zeros((), dtype=torch.float32, pin_memory=named[0][1].is_cuda)
         self._wait_all_before_forward = False
-        self._hooks = self._register_hooks()
+        self._hooks = register_hooks(self)
 
     # ----------------------------------------------------------------------------------------
     # Setup
@@ -188,47 +181,6 @@ class ShardedEngine:
                     MasterFragment(frag, index_of[frag.name], bucket.master[window], bucket.grad_shard[window])
                 )
         return by_name
-
-    def _grad_collective(self, bucket: Bucket) -> GradReduceScatter:
-        if self._compresses(bucket) and self.config.compresses_grads:
-            return TwoLevelGradReduceScatter(self.config, self.topology, self.groups, self.meter, self.topology.rank)
-        return PlainGradReduceScatter(self.groups, self.meter)
-
-    def _weight_collective(self, bucket: Bucket) -> WeightAllGather:
-        if self._compresses(bucket) and self.config.compresses_weights:
-            additive = self.config.weight_quant is WeightQuant.DIFF
-            return QuantizedWeightAllGather(self.config, self.groups, self.meter, self.topology.rank, additive)
-        return PlainWeightAllGather(self.groups, self.meter)
-
-    def _compresses(self, bucket: Bucket) -> bool:
-        """Whether a bucket is quantized. With one rank nothing travels, so nothing is; buckets
-        under `min_compress_numel` travel uncompressed, and are logged so as never to be silent."""
-        if self.topology.world_size == 1:
-            return False
-        if bucket.layout.used_numel < self.config.min_compress_numel:
-            if self.topology.rank == 0:
-                names = ", ".join(slot.name for slot in bucket.layout.slots)
-                log.info(
-                    "bucket %d (%d elements < min_compress_numel) travels uncompressed: %s",
-                    bucket.layout.index,
-                    bucket.layout.used_numel,
-                    names,
-                )
-            return False
-        return True
-
-    def _register_hooks(self) -> list:
-        handles = []
-        for bucket in self.buckets:
-            for position, param in enumerate(bucket.params):
-                hook = _GradReadyHook(self, bucket.layout.index, position)
-                handles.append(param.register_post_accumulate_grad_hook(hook))
-        bucket_of = {id(p): b.layout.index for b in self.buckets for p in b.params}
-        for module in self.module.modules():
-            indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
-            if indices:
-                handles.append(module.register_forward_pre_hook(_WeightWaitHook(self, indices)))
-        return handles
 
     def check_trained_set(self) -> None:
         """Raise if a parameter that was frozen when the engine was built now requires grad:
@@ -519,32 +471,3 @@ class ShardedEngine:
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step` honours `found_inf` on the device (torch's fused optimizers)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-class _GradReadyHook:
-    """Post-accumulate-grad hook of one parameter (a class, so that it pickles and reads well)."""
-
-    def __init__(self, engine: ShardedEngine, index: int, position: int):
-        self.engine, self.index, self.position = engine, index, position
-
-    def __call__(self, param: Tensor) -> None:
-        self.engine.on_grad_ready(self.index, self.position)
-
-
-class _WeightWaitHook:
-    """Forward pre-hook: wait for the buckets holding this module's own parameters."""
-
-    def __init__(self, engine: ShardedEngine, indices: list[int]):
-        self.engine, self.indices = engine, indices
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.engine.wait_weights(None if self.engine.waits_for_all_weights_before_forward else self.indices)
-
-    def __deepcopy__(self, memo: dict) -> _InertHook:
-        # A deep copy of the module (an EMA or SWA average, say) is no replica: it waits for nothing.
-        return _InertHook()
-
-
-class _InertHook:
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        return None
