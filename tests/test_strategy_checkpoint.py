@@ -1,5 +1,5 @@
-"""Sharded checkpoints of SDP4BitStrategy: the directory layout (meta.pt + one shard per rank,
-written atomically); save at step N then resume to M equals a straight run to M, bit for bit,
+"""Sharded checkpoints of SDP4BitStrategy: the directory layout (manifest.json + a generation
+folder with meta.pt and one shard per rank); save at step N then resume to M equals a straight run to M, bit for bit,
 uncompressed and compressed; resume on another world size; consolidation into one ordinary
 checkpoint whose state_dict loads into the plain module and whose optimizer state loads into a
 plain optimizer; an ordinary checkpoint resumes under sdp4bit."""
@@ -34,7 +34,7 @@ def _save_then_resume(rank, world, directory, preset):
     path = os.path.join(directory, "half.ckpt")
     straight, _ = _fit(world, preset, 2 * STEPS_PER_EPOCH_2_RANKS)
     _fit(world, preset, STEPS_PER_EPOCH_2_RANKS, save_to=path)
-    listing = sorted(os.listdir(path))
+    listing = sorted(os.listdir(path)) + sorted(os.listdir(os.path.join(path, "gen_000000")))
     resumed, trainer = _fit(world, preset, 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=path)
     return {
         "straight": weights(straight),
@@ -48,7 +48,7 @@ def _save_then_resume(rank, world, directory, preset):
 @pytest.mark.parametrize("preset", ["baseline", "sdp4bit"])
 def test_save_then_resume_equals_a_straight_run(tmp_path, preset):
     results = run_workers(_save_then_resume, 2, str(tmp_path), preset)
-    assert results[0]["listing"] == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
+    assert results[0]["listing"] == ["gen_000000", "manifest.json", "meta.pt", "shard_00000.pt", "shard_00001.pt"]
     assert results[0]["siblings"] == ["half.ckpt"]  # no .partial or .old left behind
     for result in results:
         assert result["engine_step"] == 2 * STEPS_PER_EPOCH_2_RANKS
