@@ -89,9 +89,8 @@ def make_engine(rank: int, world: int, width: int = 32, **config: Any):
 
     topology = Topology(rank, world, world)
     model = make_model(0, layers=1, width=width)
-    engine = ShardedEngine(
-        model, SDP4BitConfig.preset("sdp4bit", **{"bucket_numel": 3000, **config}), topology, create_process_groups(topology)
-    )
+    config = SDP4BitConfig.preset("sdp4bit", **{"bucket_numel": 3000, **config})
+    engine = ShardedEngine(model, config, topology, create_process_groups(topology))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine.shard_optimizer(optimizer)
     return engine, optimizer

@@ -255,43 +255,46 @@ def check_complete(path: Path, manifest: Manifest) -> None:
     if unlisted:
         raise CheckpointError(f"{path}/{MANIFEST} does not list {unlisted[:4]}: not a complete sdp4bit checkpoint")
     for name in expected:
-        file, record = path / manifest.generation / name, manifest.files[name]
+        file = path / manifest.generation / name
         if not file.is_file():
-            raise CheckpointError(f"{file}: {name} missing: not a complete sdp4bit checkpoint")
-        size = file.stat().st_size
-        if size < record.size:
-            raise CheckpointError(f"{file}: {name} truncated: {size} of {record.size} bytes")
-        if size != record.size:
-            raise CheckpointError(f"{file}: {name} is {size} bytes, the manifest records {record.size}")
+            raise CheckpointError(f"{file} missing: not a complete sdp4bit checkpoint")
+        if file.stat().st_size != manifest.files[name].size:
+            _raise_mismatch(file, manifest, name)
 
 
 def verify_file(path: Path, manifest: Manifest, name: str) -> Path:
     """Recompute `name`'s size and CRC-32 and compare them with the manifest; returns the file's
-    path. A file that matches another rank's record was swapped or copied from that rank."""
+    path, or raises a CheckpointError that says what is wrong with it."""
     file, record = path / manifest.generation / name, manifest.files[name]
     if not file.is_file():
-        raise CheckpointError(f"{file}: {name} missing: not a complete sdp4bit checkpoint")
-    size, crc = file.stat().st_size, _file_crc32(file)
-    if (size, crc) == (record.size, record.crc32):
-        return file
+        raise CheckpointError(f"{file} missing: not a complete sdp4bit checkpoint")
+    if (file.stat().st_size, _file_crc32(file)) != (record.size, record.crc32):
+        _raise_mismatch(file, manifest, name)
+    return file
+
+
+def _raise_mismatch(file: Path, manifest: Manifest, name: str) -> None:
+    """The diagnosis of a file whose size or CRC-32 differs from its record. One that matches
+    another rank's record was swapped or copied from that rank."""
+    record, size, crc = manifest.files[name], file.stat().st_size, _file_crc32(file)
     for other, theirs in manifest.files.items():
         if other != name and theirs.rank is not None and (size, crc) == (theirs.size, theirs.crc32):
-            raise CheckpointError(f"{file}: {name} holds rank {theirs.rank}'s shard (it is a copy of {other})")
+            raise CheckpointError(f"{file} holds rank {theirs.rank}'s shard (its bytes are those of {other})")
     if size < record.size:
-        raise CheckpointError(f"{file}: {name} truncated: {size} of {record.size} bytes")
+        raise CheckpointError(f"{file} truncated: {size} of {record.size} bytes")
     if size != record.size:
-        raise CheckpointError(f"{file}: {name} is {size} bytes, the manifest records {record.size}")
-    raise CheckpointError(f"{file}: {name}: checksum mismatch (the file is damaged)")
+        raise CheckpointError(f"{file} is {size} bytes, the manifest records {record.size}")
+    raise CheckpointError(f"{file}: checksum mismatch (the file is damaged)")
 
 
 def check_shard(file: Path, shard: dict[str, Any], record: FileRecord) -> None:
     """A loaded shard holds the rank and the tensors (key, shape, dtype) its record lists."""
     if shard.get("rank") != record.rank:
-        raise CheckpointError(f"{file}: {file.name} holds rank {shard.get('rank')}'s shard, not rank {record.rank}'s")
+        raise CheckpointError(f"{file} holds rank {shard.get('rank')}'s shard, not rank {record.rank}'s")
     found = tensor_records(shard)
     if found != record.tensors:
         held, listed = next((a, b) for a, b in zip_longest(found, record.tensors) if a != b)
-        raise CheckpointError(f"{file}: {file.name} holds tensor {held}, the manifest records {listed}")
+        raise CheckpointError(f"{file} holds tensor {held}, the manifest records {listed}")
 
 
 # --------------------------------------------------------------------------------------------
