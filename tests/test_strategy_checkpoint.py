@@ -2,7 +2,8 @@
 folder with meta.pt and one shard per rank); save at step N then resume to M equals a straight run to M, bit for bit,
 uncompressed and compressed; resume on another world size; consolidation into one ordinary
 checkpoint whose state_dict loads into the plain module and whose optimizer state loads into a
-plain optimizer; an ordinary checkpoint resumes under sdp4bit."""
+plain optimizer; an ordinary checkpoint resumes under sdp4bit, its global step restoring the
+engine's step."""
 
 import os
 
@@ -140,14 +141,18 @@ def _resume_from_ordinary(rank, world, directory):
     if rank == 0:
         consolidate_checkpoint(sharded, os.path.join(directory, "plain.ckpt"))
     torch.distributed.barrier()
-    from_sharded, _ = _fit(world, "baseline", 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=sharded)
-    from_plain, _ = _fit(
+    from_sharded, sharded_trainer = _fit(world, "baseline", 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=sharded)
+    from_plain, plain_trainer = _fit(
         world, "baseline", 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=os.path.join(directory, "plain.ckpt")
     )
-    return weights(from_sharded), weights(from_plain)
+    steps = [t.strategy.engine.step for t in (sharded_trainer, plain_trainer)]
+    return weights(from_sharded), weights(from_plain), steps
 
 
 def test_an_ordinary_checkpoint_resumes_like_the_sharded_one(tmp_path):
-    for from_sharded, from_plain in run_workers(_resume_from_ordinary, 2, str(tmp_path)):
+    for from_sharded, from_plain, steps in run_workers(_resume_from_ordinary, 2, str(tmp_path)):
         for name, expected in from_sharded.items():
             assert torch.equal(from_plain[name], expected), name
+        # The engine's step (which seeds stochastic rounding) continues from the checkpoint's
+        # global step instead of restarting at 0 and repeating the first steps' random streams.
+        assert steps == [2 * STEPS_PER_EPOCH_2_RANKS] * 2
