@@ -2,7 +2,8 @@
 
 A checkpoint is a directory (the format, `files`):
 
-    x.ckpt/manifest.json                 the commit record: sizes and CRC-32s of the files below,
+    x.ckpt/manifest.json                 the commit record: sizes and XXH3-64 checksums of the files
+                                         below,
                                          each shard's rank and tensors, every parameter's shape
     x.ckpt/gen_000003/meta.pt            rank 0: format, world size, bucket layout, config, the
                                          engine's step, untrained entries (buffers, frozen

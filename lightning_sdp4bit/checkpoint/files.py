@@ -1,5 +1,5 @@
-"""The on-disk format of a sharded checkpoint: file names, the manifest (the commit record), CRC-32
-checksums, the checks that refuse incomplete, damaged or misplaced files, and the agreement that
+"""The on-disk format of a sharded checkpoint: file names, the manifest (the commit record),
+XXH3-64 checksums, the checks that refuse incomplete, damaged or misplaced files, and the agreement that
 turns one rank's failure into the same `CheckpointError` on every rank.
 
 A checkpoint `x.ckpt` is a directory:
@@ -8,19 +8,18 @@ A checkpoint `x.ckpt` is a directory:
     x.ckpt/gen_000003/meta.pt            rank 0: layout, config, step, Lightning's small state
     x.ckpt/gen_000003/shard_00000.pt     one per rank: master and weight slices, optimizer state
 
-The manifest names the generation folder, and for every file its size in bytes, its CRC-32 and
-(for a shard) the rank that wrote it and the shape and dtype of each tensor in it; it also lists
+The manifest names the generation folder, and for every file its size in bytes, its XXH3-64
+checksum and (for a shard) the rank that wrote it and the shape and dtype of each tensor in it; it also lists
 every trained parameter's shape and dtype. A checkpoint is **complete** when the manifest is
 readable and lists meta.pt and one shard per rank, and every listed file exists with its recorded
 size (`check_complete`, which reads no file but the manifest). Loading also recomputes each file's
-CRC-32 and compares every tensor with the manifest (`verify_file`, `check_shard`).
+XXH3-64 checksum and compares every tensor with the manifest (`verify_file`, `check_shard`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch import Tensor
 
 __all__ = [
@@ -75,42 +75,46 @@ def shard_file(rank: int) -> str:
 # Checksums
 
 
-class _RunningCrc32:
-    """CRC-32 of a byte stream fed piece by piece. Each piece is hashed in the worker thread while
-    the caller writes or reads the next one (zlib.crc32 releases the GIL on large buffers)."""
+class _RunningHash:
+    """XXH3-64 of a byte stream fed piece by piece. Each large piece is hashed in the worker thread
+    while the caller writes or reads the next one (xxhash releases the GIL on large buffers)."""
 
     def __init__(self, pool: ThreadPoolExecutor):
-        self._pool, self._value = pool, 0
+        self._pool, self._state = pool, xxhash.xxh3_64()
         self._pending: Future | None = None
 
     def update(self, piece: memoryview | bytes) -> None:
-        value = self.value()  # the previous piece, hashed while this one was produced
+        self.wait()  # the previous piece, hashed while this one was produced
         if len(piece) < _PIECE:
-            self._value = zlib.crc32(piece, value)
+            self._state.update(piece)
         else:
-            self._pending = self._pool.submit(zlib.crc32, piece, value)
+            self._pending = self._pool.submit(self._state.update, piece)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
     def value(self) -> int:
-        if self._pending is not None:
-            self._value, self._pending = self._pending.result(), None
-        return self._value
+        self.wait()
+        return self._state.intdigest()
 
 
 class _ChecksummedFile:
     """The file object torch.save writes to: forwards every byte to `file` and keeps its size and
-    CRC-32. A piece's hash runs while that piece is written, and `write` returns only when both
+    checksum. A piece's hash runs while that piece is written, and `write` returns only when both
     are done, so torch may reuse its buffer afterwards."""
 
     def __init__(self, file: Any, pool: ThreadPoolExecutor):
-        self._file, self._crc, self.size = file, _RunningCrc32(pool), 0
+        self._file, self._hash, self.size = file, _RunningHash(pool), 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _PIECE):
             piece = view[start : start + _PIECE]
-            self._crc.update(piece)
+            self._hash.update(piece)
             self._file.write(piece)
-        self._crc.value()
+        self._hash.wait()
         self.size += len(view)
         return len(view)
 
@@ -118,26 +122,26 @@ class _ChecksummedFile:
         self._file.flush()
 
     @property
-    def crc32(self) -> int:
-        return self._crc.value()
+    def checksum(self) -> int:
+        return self._hash.value()
 
 
 def checksummed_save(obj: Any, path: Path) -> tuple[int, int]:
-    """torch.save `obj` to `path`, flushed to disk (fsync); returns (size in bytes, CRC-32)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-crc32") as pool, open(path, "wb") as file:
+    """torch.save `obj` to `path`, flushed to disk (fsync); returns (size in bytes, XXH3-64)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "wb") as file:
         writer = _ChecksummedFile(file, pool)
         torch.save(obj, writer)
         file.flush()
         os.fsync(file.fileno())
-        return writer.size, writer.crc32
+        return writer.size, writer.checksum
 
 
-def _file_crc32(path: Path) -> int:
-    with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-crc32") as pool, open(path, "rb") as file:
-        crc = _RunningCrc32(pool)
+def _file_checksum(path: Path) -> int:
+    with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "rb") as file:
+        running = _RunningHash(pool)
         while piece := file.read(_PIECE):
-            crc.update(piece)
-        return crc.value()
+            running.update(piece)
+        return running.value()
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,7 +153,7 @@ class FileRecord:
     """One file of a generation, as its writer saw it when it was complete."""
 
     size: int  # bytes
-    crc32: int
+    checksum: int  # XXH3-64 of the whole file
     rank: int | None = None  # the rank whose shard it is (None for meta.pt)
     tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()  # (key, shape, dtype) of each tensor in it
 
@@ -181,15 +185,15 @@ def _body(manifest: Manifest) -> dict[str, Any]:
         "generation": manifest.generation,
         "world_size": manifest.world_size,
         "files": {
-            name: {"size": r.size, "crc32": r.crc32, "rank": r.rank, "tensors": [list(t) for t in r.tensors]}
+            name: {"size": r.size, "xxh3_64": r.checksum, "rank": r.rank, "tensors": [list(t) for t in r.tensors]}
             for name, r in manifest.files.items()
         },
         "parameters": {name: [list(shape), dtype] for name, (shape, dtype) in manifest.parameters.items()},
     }
 
 
-def _crc_of(body: dict[str, Any]) -> int:
-    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+def _checksum_of(body: dict[str, Any]) -> int:
+    return xxhash.xxh3_64_intdigest(json.dumps(body, sort_keys=True).encode())
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -198,7 +202,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     body = _body(manifest)
     temporary = directory / (MANIFEST + ".tmp")
     with open(temporary, "w") as file:
-        json.dump({**body, "manifest_crc32": _crc_of(body)}, file, indent=1, sort_keys=True)
+        json.dump({**body, "manifest_xxh3_64": _checksum_of(body)}, file, indent=1, sort_keys=True)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, directory / MANIFEST)
@@ -229,15 +233,15 @@ def read_manifest(path: Path) -> Manifest:
         )
     try:
         body = json.loads(file.read_text())
-        stored = body.pop("manifest_crc32")
+        stored = body.pop("manifest_xxh3_64")
     except (ValueError, KeyError, AttributeError) as error:
         raise CheckpointError(f"{file}: unreadable ({error})") from None
-    if stored != _crc_of(body):
+    if stored != _checksum_of(body):
         raise CheckpointError(f"{file}: checksum mismatch (the manifest is damaged)")
     if body.get("format") != FORMAT:
         raise CheckpointError(f"{file}: format {body.get('format')!r}, this version reads {FORMAT!r}")
     files = {
-        name: FileRecord(r["size"], r["crc32"], r["rank"], tuple((k, tuple(s), d) for k, s, d in r["tensors"]))
+        name: FileRecord(r["size"], r["xxh3_64"], r["rank"], tuple((k, tuple(s), d) for k, s, d in r["tensors"]))
         for name, r in body["files"].items()
     }
     parameters = {name: (tuple(shape), dtype) for name, (shape, dtype) in body["parameters"].items()}
@@ -263,22 +267,22 @@ def check_complete(path: Path, manifest: Manifest) -> None:
 
 
 def verify_file(path: Path, manifest: Manifest, name: str) -> Path:
-    """Recompute `name`'s size and CRC-32 and compare them with the manifest; returns the file's
-    path, or raises a CheckpointError that says what is wrong with it."""
+    """Recompute `name`'s size and XXH3-64 checksum and compare them with the manifest; returns the
+    file's path, or raises a CheckpointError that says what is wrong with it."""
     file, record = path / manifest.generation / name, manifest.files[name]
     if not file.is_file():
         raise CheckpointError(f"{file} missing: not a complete sdp4bit checkpoint")
-    if (file.stat().st_size, _file_crc32(file)) != (record.size, record.crc32):
+    if (file.stat().st_size, _file_checksum(file)) != (record.size, record.checksum):
         _raise_mismatch(file, manifest, name)
     return file
 
 
 def _raise_mismatch(file: Path, manifest: Manifest, name: str) -> None:
-    """The diagnosis of a file whose size or CRC-32 differs from its record. One that matches
+    """The diagnosis of a file whose size or checksum differs from its record. One that matches
     another rank's record was swapped or copied from that rank."""
-    record, size, crc = manifest.files[name], file.stat().st_size, _file_crc32(file)
+    record, size, checksum = manifest.files[name], file.stat().st_size, _file_checksum(file)
     for other, theirs in manifest.files.items():
-        if other != name and theirs.rank is not None and (size, crc) == (theirs.size, theirs.crc32):
+        if other != name and theirs.rank is not None and (size, checksum) == (theirs.size, theirs.checksum):
             raise CheckpointError(f"{file} holds rank {theirs.rank}'s shard (its bytes are those of {other})")
     if size < record.size:
         raise CheckpointError(f"{file} truncated: {size} of {record.size} bytes")

@@ -1,8 +1,8 @@
 """Loading a sharded checkpoint into a running engine, on the world size it was saved with or on
 any other, and loading an ordinary single-file checkpoint through the same full state.
 
-Every load first checks, then modifies: the manifest and the files it lists (sizes, CRC-32s,
-each shard's rank and tensors), and the module's parameter names and shapes against the
+Every load first checks, then modifies: the manifest and the files it lists (sizes, XXH3-64
+checksums, each shard's rank and tensors), and the module's parameter names and shapes against the
 checkpoint's. Under a process group the ranks then agree (`files.agree`), so that one rank's
 failure raises the same CheckpointError everywhere, before anything in the module, the engine or
 the optimizers has changed.

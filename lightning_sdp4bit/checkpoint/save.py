@@ -8,7 +8,7 @@ same CheckpointError on every rank, and nothing hangs):
      generation n, which stays valid until the commit;
    - otherwise (a fresh name, or an ordinary file or foreign folder to replace): a staging
      directory `x.ckpt.partial/gen_000000/`;
-2. every rank writes its shard into that folder, and measures its size and CRC-32 as it writes;
+2. every rank writes its shard into that folder, and hashes it (XXH3-64) as it writes;
 3. rank 0 writes meta.pt, then the manifest (temporary name, fsync, rename: the commit). A staging
    directory is then renamed to the path (what stood there moves to `x.ckpt.old` first).
 
@@ -172,8 +172,8 @@ def _commit(
         "optimizer_param_names": engine.optimizer_param_names,
         "lightning": {k: v for k, v in checkpoint.items() if k not in _LIGHTNING_HEAVY_KEYS},
     }
-    size, crc = checksummed_save(meta, directory / generation / META)
-    files = {META: FileRecord(size, crc), **{shard_file(r): record for r, record in enumerate(records)}}
+    size, checksum = checksummed_save(meta, directory / generation / META)
+    files = {META: FileRecord(size, checksum), **{shard_file(r): record for r, record in enumerate(records)}}
     parameters = {
         slot.name: (tuple(slot.shape), str(b.layout.dtype)) for b in engine.buckets for slot in b.layout.slots
     }
