@@ -11,11 +11,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import shutil
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -47,6 +45,7 @@ from torch import Tensor
 
 from lightning_sdp4bit import checkpoint as sharded_checkpoint
 from lightning_sdp4bit import ops
+from lightning_sdp4bit.checkpoint.files import agree, describe
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.param_grads import gradients_on_parameters
@@ -405,23 +404,29 @@ class SDP4BitStrategy(ParallelStrategy):
         sharded_checkpoint.save_sharded(self.engine, optimizers, checkpoint, filepath, self.barrier)
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        # Also the `.partial` / `.old` leftovers of an interrupted save beside it.
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            sharded_checkpoint.remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        meta = sharded_checkpoint.read_meta(checkpoint_path)
+        """Collective: every rank reads and verifies, then all agree, so that one rank's failure is
+        the same CheckpointError on every rank instead of a peer's socket error later."""
+        path = sharded_checkpoint.find_checkpoint(checkpoint_path)
+        if not path.is_dir():
+            checkpoint, error = None, None
+            try:
+                checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+            except Exception as caught:
+                error = f"{path}: {describe(caught)}"
+            agree(error)
+            return checkpoint
+        meta = sharded_checkpoint.read_meta(path, collective=True)
         # The heavy tensors stay on disk until load_model_state_dict / load_optimizer_state_dict.
         return {
             **meta["lightning"],
             "state_dict": meta["untrained_state"],
             "optimizer_states": [],
-            _SHARDED_KEY: str(checkpoint_path),
+            _SHARDED_KEY: str(path),
         }
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -429,21 +434,28 @@ class SDP4BitStrategy(ParallelStrategy):
         assert module is not None
         # Fitting, the optimizers exist already (restore_checkpoint_after_setup), so their state
         # is restored in the same pass as the weights; load_optimizer_state_dict has nothing left.
+        # Everything is checked before anything in the module changes.
         optimizers = [_unwrap(opt) for opt in self.optimizers] if self.engine is not None else None
         if _SHARDED_KEY in checkpoint:
             path = checkpoint[_SHARDED_KEY]
-            module.load_state_dict(checkpoint["state_dict"], strict=False)
             if self.engine is not None:
                 sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+                module.load_state_dict(checkpoint["state_dict"], strict=False)
             else:
                 full = sharded_checkpoint.read_full_state(path)
-                module.load_state_dict({**checkpoint["state_dict"], **full["weights"]}, strict=strict)
+                state_dict = {**checkpoint["state_dict"], **full["weights"]}
+                sharded_checkpoint.check_state_dict(module, state_dict, strict)
+                module.load_state_dict(state_dict, strict=strict)
             return
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        sharded_checkpoint.check_state_dict(module, checkpoint["state_dict"], strict)
         if self.engine is not None:
             full = sharded_checkpoint.full_state_from_lightning(checkpoint, self.engine.optimizer_param_names)
             # A weights-only checkpoint has no optimizer states: then the masters alone are restored.
             sharded_checkpoint.load_full_state(self.engine, optimizers if full["optimizers"] else None, full)
+            # Stochastic rounding seeds derive from the engine's step: continue the count, not restart
+            # it (a checkpoint without "global_step" holds no training progress: step 0).
+            self.engine.step = int(checkpoint.get("global_step", 0))
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Nothing to do: load_model_state_dict restored the optimizers' shards with the weights."""

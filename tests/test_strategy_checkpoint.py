@@ -1,8 +1,9 @@
-"""Sharded checkpoints of SDP4BitStrategy: the directory layout (meta.pt + one shard per rank,
-written atomically); save at step N then resume to M equals a straight run to M, bit for bit,
+"""Sharded checkpoints of SDP4BitStrategy: the directory layout (manifest.json + a generation
+folder with meta.pt and one shard per rank); save at step N then resume to M equals a straight run to M, bit for bit,
 uncompressed and compressed; resume on another world size; consolidation into one ordinary
 checkpoint whose state_dict loads into the plain module and whose optimizer state loads into a
-plain optimizer; an ordinary checkpoint resumes under sdp4bit."""
+plain optimizer; an ordinary checkpoint resumes under sdp4bit, its global step restoring the
+engine's step."""
 
 import os
 
@@ -34,7 +35,7 @@ def _save_then_resume(rank, world, directory, preset):
     path = os.path.join(directory, "half.ckpt")
     straight, _ = _fit(world, preset, 2 * STEPS_PER_EPOCH_2_RANKS)
     _fit(world, preset, STEPS_PER_EPOCH_2_RANKS, save_to=path)
-    listing = sorted(os.listdir(path))
+    listing = sorted(os.listdir(path)) + sorted(os.listdir(os.path.join(path, "gen_000000")))
     resumed, trainer = _fit(world, preset, 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=path)
     return {
         "straight": weights(straight),
@@ -48,7 +49,7 @@ def _save_then_resume(rank, world, directory, preset):
 @pytest.mark.parametrize("preset", ["baseline", "sdp4bit"])
 def test_save_then_resume_equals_a_straight_run(tmp_path, preset):
     results = run_workers(_save_then_resume, 2, str(tmp_path), preset)
-    assert results[0]["listing"] == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
+    assert results[0]["listing"] == ["gen_000000", "manifest.json", "meta.pt", "shard_00000.pt", "shard_00001.pt"]
     assert results[0]["siblings"] == ["half.ckpt"]  # no .partial or .old left behind
     for result in results:
         assert result["engine_step"] == 2 * STEPS_PER_EPOCH_2_RANKS
@@ -140,14 +141,18 @@ def _resume_from_ordinary(rank, world, directory):
     if rank == 0:
         consolidate_checkpoint(sharded, os.path.join(directory, "plain.ckpt"))
     torch.distributed.barrier()
-    from_sharded, _ = _fit(world, "baseline", 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=sharded)
-    from_plain, _ = _fit(
+    from_sharded, sharded_trainer = _fit(world, "baseline", 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=sharded)
+    from_plain, plain_trainer = _fit(
         world, "baseline", 2 * STEPS_PER_EPOCH_2_RANKS, ckpt_path=os.path.join(directory, "plain.ckpt")
     )
-    return weights(from_sharded), weights(from_plain)
+    steps = [t.strategy.engine.step for t in (sharded_trainer, plain_trainer)]
+    return weights(from_sharded), weights(from_plain), steps
 
 
 def test_an_ordinary_checkpoint_resumes_like_the_sharded_one(tmp_path):
-    for from_sharded, from_plain in run_workers(_resume_from_ordinary, 2, str(tmp_path)):
+    for from_sharded, from_plain, steps in run_workers(_resume_from_ordinary, 2, str(tmp_path)):
         for name, expected in from_sharded.items():
             assert torch.equal(from_plain[name], expected), name
+        # The engine's step (which seeds stochastic rounding) continues from the checkpoint's
+        # global step instead of restarting at 0 and repeating the first steps' random streams.
+        assert steps == [2 * STEPS_PER_EPOCH_2_RANKS] * 2

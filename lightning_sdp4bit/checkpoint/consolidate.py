@@ -1,0 +1,52 @@
+"""Turning a sharded checkpoint into one ordinary Lightning checkpoint (every file verified)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_sdp4bit.checkpoint.load import find_checkpoint, read_full_state, read_meta
+
+__all__ = ["consolidate_checkpoint"]
+
+
+def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Turn a sharded checkpoint directory into one ordinary Lightning checkpoint dict.
+
+    Its "state_dict" (fp32 master weights plus buffers) loads into the plain LightningModule,
+    and its "optimizer_states" are per-parameter, in the optimizers' own parameter order, so
+    that another strategy can resume from it. Written to `output` when given (under a temporary
+    name, then renamed). Raises CheckpointError if a file is missing, damaged or misplaced.
+    """
+    path = find_checkpoint(path)
+    meta = read_meta(path)
+    full = read_full_state(path)
+    state_dict = {**meta["untrained_state"], **full["masters"]}
+    optimizer_states = []
+    for saved, groups in zip(full["optimizers"], meta["optimizer_param_names"], strict=True):
+        names = [name for group in groups for name in group]
+        state = {}
+        for index, name in enumerate(names):
+            shape = full["masters"][name].shape
+            entries = saved["state"].get(name)
+            if entries:
+                state[index] = {
+                    k: v.view(shape) if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in entries.items()
+                }
+        param_groups, position = [], 0
+        for saved_group, group_names in zip(saved["param_groups"], groups, strict=True):
+            ids = list(range(position, position + len(group_names)))
+            position += len(group_names)
+            param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+        optimizer_states.append({"state": state, "param_groups": param_groups})
+    checkpoint = {**meta["lightning"], "state_dict": state_dict, "optimizer_states": optimizer_states}
+    if output is not None:
+        output = Path(output)
+        temporary = output.with_name(output.name + ".tmp")
+        torch.save(checkpoint, temporary)
+        os.replace(temporary, output)
+    return checkpoint
