@@ -253,6 +253,8 @@ def _apply_full_state(
             for frag in bucket.layout.fragments(engine.topology.rank):
                 source = full["masters"][frag.name].reshape(-1)[frag.param_start : frag.param_start + frag.numel]
                 bucket.master[frag.shard_start : frag.shard_start + frag.numel].copy_(source)
+    # The loaded weights are the reference for in-place edit checks, not an edit of the masters.
+    engine.weights_loaded()
     for index, (optimizer, saved) in enumerate(zip(optimizers or [], full["optimizers"], strict=False)):
         state, groups, position = {}, [], 0
         for saved_group, names in zip(saved["param_groups"], engine.optimizer_param_names[index], strict=True):
