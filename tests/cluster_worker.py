@@ -16,9 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 import cluster
+import torch
 from models import TinyLMModule
 
 
