@@ -45,14 +45,21 @@ def blockwise_hadamard(x: Tensor, block: int) -> Tensor:
     check_power_of_two("block", block)
     if x.numel() % block:
         raise ValueError(f"x has {x.numel()} elements, not a multiple of the Hadamard block {block}")
-    y = x.reshape(-1, block).float()
-    half = 1
+    # Stage s writes into buffer s % 2 with one add and one subtract and no temporaries (a stack
+    # of (a + b, a - b) would cost two more passes over the data). The input is never written.
+    source = x.reshape(-1, block).float()
+    buffers = (torch.empty_like(source), torch.empty_like(source)) if block > 1 else ()
+    y = source
+    half, stage = 1, 0
     while half < block:
         pairs = y.view(-1, block // (2 * half), 2, half)
-        a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2).view(-1, block)
-        half *= 2
-    return (y * hadamard_scale(block)).view(x.shape)
+        out = buffers[stage % 2].view(-1, block // (2 * half), 2, half)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        y = buffers[stage % 2]
+        half, stage = 2 * half, stage + 1
+    scaled = y.mul_(hadamard_scale(block)) if y is not source else y * hadamard_scale(block)
+    return scaled.view(x.shape)
 
 
 def inverse_blockwise_hadamard(x: Tensor, block: int) -> Tensor:

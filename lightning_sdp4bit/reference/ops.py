@@ -141,9 +141,8 @@ def torch_weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group
     rows = payload.shape[0]
     values = decode_rows(payload, bits, group_size, weights.numel() // rows).view(-1)
     if additive:
-        values = weights.float() + values
-    weights.copy_(values.to(weights.dtype))
-    return weights
+        values.add_(weights)  # fp32 + weights promoted to fp32, in place in the fresh values
+    return weights.copy_(values)  # copy_ rounds to weights.dtype as .to() does
 
 
 def torch_grad_encode(

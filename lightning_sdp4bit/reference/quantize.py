@@ -68,20 +68,20 @@ def quantize_groups(
     absmax = x.abs().amax(dim=1)
     scales = absmax / torch.full_like(absmax, qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = x / safe[:, None]
+    scaled = x / safe[:, None]  # a new tensor: the rounding below works in place on it
     if rounding is Rounding.NEAREST:
-        codes = torch.round(scaled)
+        codes = scaled.round_()
     else:
         if noise is None:
             raise ValueError("rounding='stochastic' needs noise (U[0, 1) draws of the input's shape)")
-        codes = torch.floor(scaled + noise.reshape(scaled.shape))
+        codes = scaled.add_(noise.reshape(scaled.shape)).floor_()
     # |x / scale| <= qmax up to one ulp, so the clamp only catches that ulp.
     return codes.clamp_(-qmax, qmax).to(torch.int8), scales
 
 
 def dequantize_groups(codes: Tensor, scales: Tensor) -> Tensor:
-    """fp32 [groups, group_size] = codes * scale, row by row."""
-    return codes.float() * scales[:, None]
+    """fp32 [groups, group_size] = codes * scale, row by row (int8 codes promote to fp32 exactly)."""
+    return torch.mul(codes, scales[:, None])
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
@@ -96,21 +96,28 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     pad = (-flat.numel()) % per_byte
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    fields = (flat.to(torch.int16) & (2**bits - 1)).view(-1, per_byte)
-    packed = torch.zeros(fields.shape[0], dtype=torch.int16, device=codes.device)
-    for position in range(per_byte):
-        packed |= fields[:, position] << (bits * position)
-    return packed.to(torch.uint8)
+    # The two's complement bytes, as uint8 so that shifts wrap: code i of a byte keeps its low
+    # b bits and moves to bits [b*i, b*(i+1)).
+    fields = flat.view(torch.uint8).view(-1, per_byte)
+    packed = fields[:, 0] & (2**bits - 1)
+    for position in range(1, per_byte):
+        packed |= (fields[:, position] & (2**bits - 1)) << (bits * position)
+    return packed
 
 
 def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
     """Inverse of `pack_codes`: int8 codes [numel], sign-extended from their b-bit fields."""
     if bits == 8:
         return packed.reshape(-1)[:numel].view(torch.int8)
-    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int16)
-    fields = (packed.reshape(-1, 1).to(torch.int16) >> shifts) & (2**bits - 1)
-    signed = torch.where(fields > max_level(bits), fields - 2**bits, fields)
-    return signed.reshape(-1)[:numel].to(torch.int8)
+    per_byte = 8 // bits
+    packed = packed.reshape(-1)
+    codes = torch.empty(packed.numel(), per_byte, dtype=torch.int8, device=packed.device)
+    for position in range(per_byte):
+        # Shift field `position` to the top of the byte (uint8 wraps), then shift it back down
+        # as int8: the arithmetic shift sign-extends it.
+        top = (packed << (8 - bits * (position + 1))).view(torch.int8)
+        torch.bitwise_right_shift(top, 8 - bits, out=codes[:, position])
+    return codes.view(-1)[:numel]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,77 @@
+"""The training script that tests/test_cluster.py runs on every rank of a cluster (under torchrun).
+
+    python -m torch.distributed.run ... tests/cluster_worker.py '<json options>'
+
+Options (JSON, all optional): "steps" (optimizer steps, default 4), "config" (SDP4BitConfig dict),
+"timeout_s" (the strategy's collective timeout), "save" (a checkpoint path written after fit),
+"progress" (a directory: rank r touches step_<r> after each optimizer step). Each rank saves
+{"weights", "comm_stats", "masters", "world", "local_world"} through cluster.save_result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import cluster
+import torch
+from models import TinyLMModule
+
+
+def main(options: dict) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    import lightning_sdp4bit  # noqa: F401  (registers the strategy)
+    from lightning_sdp4bit import SDP4BitStrategy
+
+    torch.set_num_threads(1)
+    progress = options.get("progress")
+
+    class Progress(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if progress:
+                Path(progress, f"step_{trainer.global_rank}").write_text(str(trainer.global_step))
+
+    timeout = datetime.timedelta(seconds=options.get("timeout_s", 120))
+    strategy = SDP4BitStrategy(config={"bucket_numel": 3000, **options.get("config", {})}, timeout=timeout)
+    hosts = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=hosts,
+        strategy=strategy,
+        max_steps=options.get("steps", 4),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[Progress()],
+    )
+    module = TinyLMModule(**options.get("module", {}))
+    trainer.fit(module)
+    if options.get("save"):
+        trainer.save_checkpoint(options["save"])
+    masters = {}
+    for records in strategy.engine.fragments_by_name.values():
+        for record in records:
+            masters[(record.fragment.name, record.fragment.param_start)] = record.master.clone()
+    cluster.save_result(
+        {
+            "weights": {n: p.detach().float().clone() for n, p in module.model.named_parameters()},
+            "comm_stats": dict(strategy.comm_stats),
+            "masters": masters,
+            "world": trainer.world_size,
+            "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
+        }
+    )
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]) if len(sys.argv) > 1 else {})
