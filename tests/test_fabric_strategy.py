@@ -5,6 +5,7 @@ during a no_backward_sync micro-batch (calls counted through a patched lightning
 fabric.save then fabric.load equals a straight run; fabric.all_reduce / broadcast / barrier work."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -107,3 +108,77 @@ def test_save_then_resume_equals_a_straight_run(tmp_path, preset):
         assert result["step"] == 2 and result["remainder"] == {}
         for name, expected in result["straight"].items():
             assert torch.equal(result["resumed"][name], expected), name
+
+
+# One window repeated, a step per batch: the Trainer's batches are then known to the Fabric loop.
+DATA = dict(dataset_size=1, repeat=32)
+
+
+def _trainer_to_fabric_and_back(rank, world, directory):
+    from lightning_runs import make_trainer
+    from lightning_runs import sdp4bit as trainer_sdp4bit
+    from lightning_runs import weights as trainer_weights
+    from models import TinyLMModule, TokenDataset
+
+    trainer_path, fabric_path = os.path.join(directory, "trainer.ckpt"), os.path.join(directory, "fabric.ckpt")
+    straight = TinyLMModule(**DATA)
+    make_trainer(world, trainer_sdp4bit(preset="baseline"), max_steps=6).fit(straight)
+    first = TinyLMModule(**DATA)
+    trainer = make_trainer(world, trainer_sdp4bit(preset="baseline"), max_steps=4)
+    trainer.fit(first)
+    trainer.save_checkpoint(trainer_path)
+
+    # The Trainer's checkpoint resumes under Fabric, scheduler included, and trains on like the Trainer.
+    fabric = make_fabric(world, sdp4bit(preset="baseline"))
+    module = TinyLMModule(**DATA)
+    configured = module.configure_optimizers()
+    model, optimizer = fabric.setup(module, configured["optimizer"])
+    schedule = configured["lr_scheduler"]["scheduler"]
+    remainder = fabric.load(trainer_path, {"model": model, "optimizer": optimizer})
+    schedule.load_state_dict(remainder["lr_schedulers"][0])
+    tokens = torch.stack([TokenDataset(size=1, repeat=32)[0]] * module.batch_size)
+    for _ in range(2):
+        fabric.backward(module.model.loss(tokens))
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    fabric.save(fabric_path, {"model": model, "optimizer": optimizer, "step": 6})
+
+    # Fabric's checkpoint resumes under the Trainer: weights, masters and optimizer state.
+    resumed = TinyLMModule(**DATA)
+    trainer = make_trainer(world, trainer_sdp4bit(preset="baseline"), max_steps=1)
+    restored = {}
+
+    def grab(*args):
+        engine = trainer.strategy.engine
+        restored["step"] = engine.step
+        restored["weights"] = trainer_weights(resumed)
+        restored["exp_avg"] = [s["exp_avg"].clone() for s in trainer.strategy.optimizers[0].state.values()]
+
+    resumed.on_train_start = grab
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(resumed, ckpt_path=fabric_path)
+    fabric.strategy.wait_weights()
+    return {
+        "straight": trainer_weights(straight),
+        "fabric": trainer_weights(module),
+        "global_step": remainder["global_step"],
+        "restored": restored,
+        "fabric_exp_avg": [s["exp_avg"].clone() for s in optimizer.state.values()],
+        "warned": any("was written by Fabric" in str(w.message) for w in caught),
+    }
+
+
+def test_trainer_checkpoint_resumes_under_fabric_and_back(tmp_path):
+    results = run_workers(_trainer_to_fabric_and_back, 2, str(tmp_path))
+    assert results[0]["warned"]  # rank 0 says what the Trainer does not resume
+    for result in results:
+        assert result["global_step"] == 4
+        for name, expected in result["straight"].items():
+            assert torch.equal(result["fabric"][name], expected), name
+            assert torch.equal(result["restored"]["weights"][name], expected), name
+        assert result["restored"]["step"] == 6
+        assert all(
+            torch.equal(a, b) for a, b in zip(result["restored"]["exp_avg"], result["fabric_exp_avg"], strict=True)
+        )
