@@ -320,9 +320,11 @@ class SDP4BitFabricStrategy(ParallelStrategy):
             remainder = self._load_sharded(path, module_keys, optimizers)
         else:
             remainder = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            if module_keys:
+            _validate_keys_for_strict_loading(module_keys + optimizer_keys, remainder.keys(), strict=strict)
+            if module_keys and module_keys[0] in remainder:
                 saved = [remainder.pop(k) for k in optimizer_keys if k in remainder]
-                common.load_ordinary_state(self.engine, optimizers, remainder.pop(module_keys[0]), saved)
+                module_state = remainder.pop(module_keys[0])
+                common.load_ordinary_state(self.engine, optimizers if saved else None, module_state, saved)
         others = [k for k in state if k not in module_keys and k not in optimizer_keys]
         _validate_keys_for_strict_loading(others, remainder.keys(), strict=strict)
         for key in others:

@@ -182,3 +182,28 @@ def test_trainer_checkpoint_resumes_under_fabric_and_back(tmp_path):
         assert all(
             torch.equal(a, b) for a, b in zip(result["restored"]["exp_avg"], result["fabric_exp_avg"], strict=True)
         )
+
+
+def _from_an_ordinary_file(rank, world, directory):
+    from lightning.fabric.strategies import DDPStrategy
+
+    path = os.path.join(directory, "ddp.pt")
+    fabric = make_fabric(world, DDPStrategy())
+    model, optimizer, schedule = setup(fabric)
+    train(fabric, model, optimizer, schedule, range(2))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "schedule": schedule, "step": 2})
+    train(fabric, model, optimizer, schedule, range(2, 3))
+    ddp_weights = weights(fabric, model)
+
+    fabric = make_fabric(world, sdp4bit(preset="baseline"))
+    model, optimizer, schedule = setup(fabric)
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer, "schedule": schedule})
+    train(fabric, model, optimizer, schedule, range(2, 3))
+    return {"ddp": ddp_weights, "sdp4bit": weights(fabric, model), "remainder": remainder}
+
+
+def test_an_ordinary_file_saved_by_fabric_ddp_resumes_under_sdp4bit(tmp_path):
+    for result in run_workers(_from_an_ordinary_file, 2, str(tmp_path)):
+        assert result["remainder"] == {"step": 2}
+        for name, expected in result["ddp"].items():
+            assert torch.equal(result["sdp4bit"][name], expected), name
