@@ -2,7 +2,9 @@
 with compression off it ends with Fabric's DDPStrategy's weights bit for bit (accumulation 2 under
 no_backward_sync, clip by norm, AdamW with two groups, a per-step LR schedule); nothing is sent
 during a no_backward_sync micro-batch (calls counted through a patched lightning_sdp4bit.comm);
-fabric.save then fabric.load equals a straight run; fabric.all_reduce / broadcast / barrier work."""
+fabric.save then fabric.load equals a straight run; fabric.all_reduce / broadcast / barrier work;
+a Trainer-saved checkpoint resumes under Fabric and trains on like the Trainer, and a Fabric-saved
+one resumes under the Trainer; an ordinary file saved by Fabric's DDPStrategy resumes too."""
 
 import os
 import warnings
