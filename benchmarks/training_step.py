@@ -2,6 +2,7 @@
 
     python benchmarks/training_step.py                          # GPT ~350M, 8 ranks as 2 nodes x 4
     python benchmarks/training_step.py --n-layer 24 --n-embd 2048 --batch 2   # ~1.3B
+    python benchmarks/training_step.py --compile                # the model under torch.compile
 
 One GPU plays rank 0 of a data-parallel job of --world ranks: the engine (lightning_sdp4bit.
 engine, the strategy's own) shards the optimizer for that world and runs every compression
@@ -12,7 +13,10 @@ the real job; only the network time is missing, so the kernels' share printed he
 bound of their share in a real step.
 
 Per preset (baseline = no compression, sdp4bit = qWD + TLq-HS) it prints the median step time
-(CUDA events) and, from the profiler, the GPU time of the compression kernels per step.
+(CUDA events) and, from the profiler, the GPU time of the compression kernels per step. With
+--compile the model runs under torch.compile, driven as the strategies drive it (their
+CompiledRegionWatch: the weight all-gathers complete right after the step), and the table also
+gives dynamo's graph breaks and graphs (0 and 1 when the engine's hooks trace cleanly).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import sys
 import time
 
 import torch
+import torch._dynamo.utils
 from gpt_step import build_gpt, engine_step, make_optimizer, random_tokens
+from lightning_sdp4bit.strategies import common
 
 import lightning_sdp4bit.comm as comm
 from lightning_sdp4bit import SDP4BitConfig
@@ -96,10 +102,16 @@ def _measure(args: argparse.Namespace, preset: str) -> dict[str, float]:
     engine = ShardedEngine(model, sdp_config, topology, ProcessGroups(None, None, None))
     optimizer = make_optimizer(model.parameters(), device)
     engine.shard_optimizer(optimizer)
+    watch = common.CompiledRegionWatch(model)
+    forward = torch.compile(model) if args.compile else model
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     tokens = random_tokens(args.batch, args.seq, device)
 
     def step() -> None:
-        engine_step(model, engine, optimizer, tokens)
+        engine_step(forward, engine, optimizer, tokens)
+        if watch.seen:  # compiled forwards find the weights complete (common.start_weight_sync)
+            engine.wait_weights()
 
     for _ in range(args.warmup):
         step()
@@ -122,8 +134,11 @@ def _measure(args: argparse.Namespace, preset: str) -> dict[str, float]:
         "step_ms": statistics.median(times),
         "kernel_ms": kernel_us / 1e3 / args.profiled_steps,
         "tokens_per_s": args.batch * args.seq / (statistics.median(times) / 1e3),
+        "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
     engine.close()
+    watch.close()
     return result
 
 
@@ -139,6 +154,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profiled-steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (warmup >= 2 pays the compile)")
     parser.add_argument("--out", default=None, help="append the Markdown table to this file")
     args = parser.parse_args()
     _install_loopback(args.world)
@@ -148,9 +164,10 @@ def main() -> None:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         share = 100 * r["kernel_ms"] / r["step_ms"]
+        compiled = f" | {r['graph_breaks']} | {r['graphs']}" if args.compile else ""
         rows.append(
-            f"| {preset} | {r['params'] / 1e6:.0f}M | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['kernel_ms']:.2f} | {share:.2f}% |"
+            f"| {preset}{' (compiled)' if args.compile else ''} | {r['params'] / 1e6:.0f}M | {r['step_ms']:.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['kernel_ms']:.2f} | {share:.2f}%{compiled} |"
         )
     lines = [
         f"### GPT training step on {_device_name()}, {datetime.date.today()}",
@@ -159,8 +176,9 @@ def main() -> None:
         f"({args.world // args.ranks_per_node} nodes x {args.ranks_per_node}), bf16 weights, seq {args.seq}, "
         f"batch {args.batch}, loopback communication; torch {torch.__version__}.",
         "",
-        "| preset | params | step (ms) | tokens/s | compression kernels (ms/step) | share of the step |",
-        "|---|---|---|---|---|---|",
+        "| preset | params | step (ms) | tokens/s | compression kernels (ms/step) | share of the step |"
+        + (" graph breaks | graphs |" if args.compile else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if args.compile else ""),
         *rows,
         "",
     ]

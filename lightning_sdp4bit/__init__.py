@@ -2,11 +2,13 @@
 
     import lightning_sdp4bit                     # registers the "sdp4bit" strategy name
     trainer = Trainer(strategy="sdp4bit")        # qWD weights + TLq-HS gradients, paper defaults
+    fabric = Fabric(strategy="sdp4bit")          # the same, for Lightning Fabric
 
 Public API (each name is imported on first use, so `import lightning_sdp4bit` stays quick):
 - `SDP4BitConfig`: the configuration dataclass and its presets;
 - `quantize`, `dequantize`, `QuantizedTensor`: the reference group-wise quantizer;
-- `SDP4BitStrategy`: the Lightning strategy (also reachable as `strategy="sdp4bit"`).
+- `SDP4BitStrategy`: the Trainer strategy (also reachable as `strategy="sdp4bit"`);
+- `SDP4BitFabricStrategy`: the Fabric strategy (also reachable as `Fabric(strategy="sdp4bit")`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _LAZY = {
     "quantize": "lightning_sdp4bit.reference.quantize",
     "dequantize": "lightning_sdp4bit.reference.quantize",
     "SDP4BitStrategy": "lightning_sdp4bit.strategies",
+    "SDP4BitFabricStrategy": "lightning_sdp4bit.strategies",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,10 +1,11 @@
 """Register the strategy names with Lightning without importing Lightning.
 
-`Trainer(strategy="sdp4bit")` looks the name up in `lightning.pytorch.strategies.StrategyRegistry`.
-Importing Lightning just to register would make `import lightning_sdp4bit` take seconds, so the
-names are registered the moment Lightning's strategies module finishes loading: at once if it
-is already loaded, otherwise by a small import hook that waits for it. Lightning offers no entry
-point for this (its only entry-point group is for callbacks, and it loads too late).
+`Trainer(strategy="sdp4bit")` looks the name up in `lightning.pytorch.strategies.StrategyRegistry`,
+`Fabric(strategy="sdp4bit")` in `lightning.fabric.strategies.STRATEGY_REGISTRY`. Importing
+Lightning just to register would make `import lightning_sdp4bit` take seconds, so the names are
+registered the moment each of those modules finishes loading: at once if it is already loaded,
+otherwise by a small import hook that waits for it. Lightning offers no entry point for this
+(its only entry-point group is for callbacks, and it loads too late).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 __all__ = ["install_registration_hook"]
 
-_TARGET = "lightning.pytorch.strategies"
 STRATEGY_NAMES = {"sdp4bit": "popen", "sdp4bit_spawn": "spawn"}  # name -> start_method
 
 
@@ -28,12 +28,26 @@ def _create_strategy(start_method: str) -> Any:
     return SDP4BitStrategy(start_method=start_method)
 
 
+def _create_fabric_strategy(start_method: str) -> Any:
+    from lightning_sdp4bit.strategies import SDP4BitFabricStrategy
+
+    return SDP4BitFabricStrategy(start_method=start_method)
+
+
+# module that holds the registry -> (the registry's attribute name, factory of the strategy)
+_TARGETS = {
+    "lightning.pytorch.strategies": ("StrategyRegistry", _create_strategy),
+    "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _create_fabric_strategy),
+}
+
+
 def _register(strategies_module: ModuleType) -> None:
-    registry = strategies_module.StrategyRegistry
+    attribute, factory = _TARGETS[strategies_module.__name__]
+    registry = getattr(strategies_module, attribute)
     for name, start_method in STRATEGY_NAMES.items():
         if name not in registry:
             description = f"SDP4Bit sharded data parallelism, start_method={start_method!r}"
-            registry.register(name, _create_strategy, description=description, start_method=start_method)
+            registry.register(name, factory, description=description, start_method=start_method)
 
 
 class _RegisteringLoader(importlib.abc.Loader):
@@ -54,8 +68,13 @@ class _RegisteringLoader(importlib.abc.Loader):
 
 
 class _RegisterWhenImported(importlib.abc.MetaPathFinder):
+    """Waits for one target module; one instance per target, each removed once it has fired."""
+
+    def __init__(self, target: str):
+        self.target = target
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _TARGET:
+        if fullname != self.target:
             return None
         sys.meta_path.remove(self)  # one shot; also keeps find_spec below from recursing
         spec = importlib.util.find_spec(fullname)
@@ -65,8 +84,9 @@ class _RegisterWhenImported(importlib.abc.MetaPathFinder):
 
 
 def install_registration_hook() -> None:
-    module = sys.modules.get(_TARGET)
-    if module is not None and hasattr(module, "StrategyRegistry"):
-        _register(module)
-    elif not any(isinstance(finder, _RegisterWhenImported) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWhenImported())
+    for target, (attribute, _) in _TARGETS.items():
+        module = sys.modules.get(target)
+        if module is not None and hasattr(module, attribute):
+            _register(module)
+        elif not any(isinstance(f, _RegisterWhenImported) and f.target == target for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterWhenImported(target))

@@ -8,7 +8,6 @@ Trainer.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 from collections.abc import Callable, Generator
@@ -21,43 +20,35 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_sdp4bit.strategies import common
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
+from lightning_sdp4bit.strategies.common import SUPPORTED_PRECISIONS
 from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
 from lightning_sdp4bit import checkpoint as sharded_checkpoint
-from lightning_sdp4bit import ops
 from lightning_sdp4bit.checkpoint.files import agree, describe
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.param_grads import gradients_on_parameters
 from lightning_sdp4bit.stats import WireMeter
-from lightning_sdp4bit.topology import Topology, create_process_groups
 
 __all__ = ["SUPPORTED_PRECISIONS", "SDP4BitStrategy"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_PRECISIONS = ("bf16-true", "32-true", "bf16-mixed", "16-true")
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _SHARDED_KEY = "sdp4bit_checkpoint_dir"  # marks a checkpoint dict loaded from a sharded directory
 
 
@@ -91,9 +82,7 @@ class SDP4BitStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.config = SDP4BitConfig.coerce(config)
-        if start_method not in _START_METHODS:
-            allowed = ", ".join(map(repr, _START_METHODS))
-            raise ValueError(f"start_method must be one of {allowed}, got {start_method!r}")
+        common.check_start_method(start_method)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -107,6 +96,7 @@ class SDP4BitStrategy(ParallelStrategy):
         self._start_method = start_method
         self.engine: ShardedEngine | None = None
         self._weight_hooks: WeightReadingHooks | None = None
+        self._compile_watch: common.CompiledRegionWatch | None = None
         self.meter = WireMeter()
         self.comm_stats: dict[str, float] = {}
         """The last optimizer step's communication figures (see lightning_sdp4bit.stats)."""
@@ -151,18 +141,7 @@ class SDP4BitStrategy(ParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning sets the plugin while building the Trainer, before any process is spawned.
-        precision = getattr(plugin, "precision", None)
-        if plugin is not None and precision not in SUPPORTED_PRECISIONS:
-            reason = (
-                ": its GradScaler skips steps on each rank's own overflow check, so the ranks' sharded "
-                "optimizer states would diverge"
-                if precision == "16-mixed"
-                else ""
-            )
-            raise ValueError(
-                f"precision={precision!r} is not supported by the sdp4bit strategy{reason}. "
-                f"Use one of {', '.join(map(repr, SUPPORTED_PRECISIONS))} ('bf16-true' is the paper's setting)."
-            )
+        common.check_precision(getattr(plugin, "precision", None))
         self._precision_plugin = plugin
 
     @property
@@ -172,10 +151,7 @@ class SDP4BitStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        # Topology errors must surface here, while the Trainer is built, not in the workers.
-        self.config.resolve_ranks_per_node(self.num_nodes * self.num_processes, self.num_processes)
-        if self.parallel_devices:
-            ops.check_kernel_limits(self.config, self.parallel_devices[0].type)
+        common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -185,25 +161,12 @@ class SDP4BitStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
+        self._process_group_backend = common.connect(
+            self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
         )
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        already_initialized = _distributed_is_initialized()
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        if not already_initialized:
-            # The group stays up after fit (trainer.save_checkpoint needs it), but left alive at
-            # interpreter exit gloo's threads can abort the process ("terminate called without
-            # an active exception") after a successful run: take it down first.
-            atexit.register(_destroy_process_group)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        common.set_world_ranks(self)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -213,9 +176,10 @@ class SDP4BitStrategy(ParallelStrategy):
         self.engine = None
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_finetuning_callbacks(trainer)
-            ranks_per_node = self.config.resolve_ranks_per_node(self.world_size, self.num_processes)
-            topology = Topology(self.global_rank, self.world_size, ranks_per_node)
-            self.engine = ShardedEngine(self.model, self.config, topology, create_process_groups(topology), self.meter)
+            self.engine = common.build_engine(
+                self.model, self.config, self.global_rank, self.world_size, self.num_processes, self.meter
+            )
+            self._compile_watch = common.CompiledRegionWatch(self.model)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self.engine.shard_optimizer(optimizer)
@@ -323,7 +287,7 @@ class SDP4BitStrategy(ParallelStrategy):
             self.engine.finish_grad_sync()  # opt.step() ends the window of manual_backward calls
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
-            self.comm_stats = self.engine.start_weight_sync()
+            self.comm_stats = common.start_weight_sync(self.engine, self._compile_watch)
             if manual:
                 # training_step goes on after opt.step() and may read or edit the weights at once.
                 self.engine.wait_weights()
@@ -353,25 +317,19 @@ class SDP4BitStrategy(ParallelStrategy):
         if self._weight_hooks is not None:
             self._weight_hooks.remove()
             self._weight_hooks = None
+        if self._compile_watch is not None:
+            self._compile_watch.close()
+            self._compile_watch = None
         super().teardown()
 
     # ----------------------------------------------------------------------------------------
     # Collectives for users (self.log(sync_dist=True), self.all_gather, ...)
 
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        common.barrier(self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return common.broadcast_object(obj, src)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
@@ -399,9 +357,8 @@ class SDP4BitStrategy(ParallelStrategy):
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        self.engine.absorb_weight_edits()  # waits for the weights; edits since the step go into the masters
         optimizers = [_unwrap(opt) for opt in self.optimizers]
-        sharded_checkpoint.save_sharded(self.engine, optimizers, checkpoint, filepath, self.barrier)
+        common.save_sharded(self.engine, optimizers, checkpoint, filepath, self.barrier)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         # Also the `.partial` / `.old` leftovers of an interrupted save beside it.
@@ -421,6 +378,22 @@ class SDP4BitStrategy(ParallelStrategy):
             agree(error)
             return checkpoint
         meta = sharded_checkpoint.read_meta(path, collective=True)
+        if meta["lightning"].get(common.SAVED_BY_FABRIC) is not None:
+            # Fabric's loop has no Trainer state to give: the weights, master weights, optimizer
+            # state and the engine's step resume; Lightning's loops and schedulers start afresh.
+            rank_zero_warn(
+                f"sdp4bit: {path} was written by Fabric; resuming its weights, optimizer state and "
+                "communication step. The Trainer's loop counters, LR schedulers and callbacks start afresh "
+                f"(Fabric's other entries {sorted(k for k in meta['lightning'] if k != common.SAVED_BY_FABRIC)} "
+                "are not read)."
+            )
+            return {
+                "pytorch-lightning_version": pl.__version__,
+                "state_dict": meta["untrained_state"],
+                "optimizer_states": [],
+                "lr_schedulers": [],
+                _SHARDED_KEY: str(path),
+            }
         # The heavy tensors stay on disk until load_model_state_dict / load_optimizer_state_dict.
         return {
             **meta["lightning"],
@@ -449,9 +422,10 @@ class SDP4BitStrategy(ParallelStrategy):
             return
         sharded_checkpoint.check_state_dict(module, checkpoint["state_dict"], strict)
         if self.engine is not None:
-            full = sharded_checkpoint.full_state_from_lightning(checkpoint, self.engine.optimizer_param_names)
             # A weights-only checkpoint has no optimizer states: then the masters alone are restored.
-            sharded_checkpoint.load_full_state(self.engine, optimizers if full["optimizers"] else None, full)
+            common.load_ordinary_state(
+                self.engine, optimizers, checkpoint["state_dict"], checkpoint.get("optimizer_states", [])
+            )
             # Stochastic rounding seeds derive from the engine's step: continue the count, not restart
             # it (a checkpoint without "global_step" holds no training progress: step 0).
             self.engine.step = int(checkpoint.get("global_step", 0))
@@ -476,10 +450,13 @@ def _refuse_finetuning_callbacks(trainer: pl.Trainer) -> None:
             )
 
 
-def _destroy_process_group() -> None:
-    if _distributed_is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+# Lightning's Trainer accepts a compiled LightningModule (trainer.fit(torch.compile(module))) only
+# under the strategies its compile check lists by isinstance: SingleDevice, DDP, FSDP. This one is
+# DDP's kind (full weights on every rank, gradients reduced in backward) and is compile-safe (see
+# common.CompiledRegionWatch), so it registers as a virtual subclass of DDPStrategy. It inherits
+# nothing from DDPStrategy; within Lightning 2.6 only that check and `is_distributed` ask.
+DDPStrategy.register(SDP4BitStrategy)

@@ -135,13 +135,26 @@ def test_non_finite_input_gives_non_finite_scales_in_the_low_level_op():
         ({"bits": 3}, "bits must be one of 2, 4, 8"),
         ({"group_size": 100}, "group_size must be a positive power of two"),
         ({"rounding": "up"}, "rounding must be one of"),
-        ({"rounding": "stochastic"}, "exactly one of generator= or seed="),
-        ({"rounding": "stochastic", "seed": 1, "generator": torch.Generator()}, "exactly one of"),
+        ({"rounding": "stochastic", "seed": 1, "generator": torch.Generator()}, "at most one of generator= and seed="),
     ],
 )
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         quantize(torch.randn(10), **kwargs)
+
+
+def test_stochastic_without_seed_draws_from_torchs_default_generator():
+    """As torch.rand does: torch.manual_seed makes it reproducible, and the draws are the ones the
+    default generator would have given (the same codes as an explicit generator seeded alike)."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(7)
+    a = quantize(x, 4, 128, "stochastic")
+    b = quantize(x, 4, 128, "stochastic")  # the generator moved on: other draws
+    torch.manual_seed(7)
+    again = quantize(x, 4, 128, "stochastic")
+    assert torch.equal(a.codes, again.codes)
+    assert not torch.equal(a.codes, b.codes)
+    assert torch.equal(a.codes, quantize(x, 4, 128, "stochastic", generator=torch.Generator().manual_seed(7)).codes)
 
 
 def test_integer_input_raises():

@@ -163,7 +163,9 @@ def quantize(
         bits: 2, 4 or 8. The levels are -(2^(bits-1)-1)..+(2^(bits-1)-1).
         group_size: elements per scale, a positive power of two.
         rounding: "nearest" (half to even) or "stochastic" (unbiased: E[dequantize] = x).
-        generator, seed: the randomness of stochastic rounding; give one of them.
+        generator, seed: the randomness of stochastic rounding; give at most one of them. With
+            neither, the draws come from torch's default generator for x's device, as `torch.rand`
+            does, so `torch.manual_seed(n)` before the call makes the result reproducible.
 
     Returns:
         a `QuantizedTensor`; `dequantize(q)` gives back x's shape and dtype, and `q.nbytes` is
@@ -177,8 +179,8 @@ def quantize(
     rounding = coerce_enum("rounding", rounding, Rounding)
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if rounding is Rounding.STOCHASTIC and (generator is None) == (seed is None):
-        raise ValueError("rounding='stochastic' needs exactly one of generator= or seed=")
+    if generator is not None and seed is not None:
+        raise ValueError("give at most one of generator= and seed= (seed= builds its own generator)")
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x holds NaN or Inf; quantizing it would give meaningless scales")
     flat = x.detach().reshape(-1).float()
@@ -186,8 +188,9 @@ def quantize(
     groups = torch.nn.functional.pad(flat, (0, pad)).view(-1, group_size)
     noise = None
     if rounding is Rounding.STOCHASTIC:
-        if generator is None:
+        if seed is not None:
             generator = torch.Generator(device=x.device).manual_seed(seed)
+        # generator=None: torch.rand draws from the default generator of x's device.
         noise = torch.rand(groups.shape, generator=generator, device=x.device, dtype=torch.float32)
     codes, scales = quantize_groups(groups, bits, rounding, noise)
     return QuantizedTensor(pack_codes(codes, bits), scales, x.shape, x.dtype, bits, group_size)

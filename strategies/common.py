@@ -1,0 +1,215 @@
+"""What the Trainer strategy and the Fabric strategy share: one copy, both adapters call it.
+
+`SDP4BitStrategy` (lightning.pytorch) and `SDP4BitFabricStrategy` (lightning.fabric) are thin
+adapters over the same `ShardedEngine`. Lightning's two strategy base classes have different
+hook names, so each adapter keeps its own class, but everything they decide the same way lives
+here: the precision and topology checks, process-group setup, the engine's construction, the
+user-facing collectives, the weight sync after an optimizer step (compile-aware), and the
+mapping of both checkpoint dicts onto `lightning_sdp4bit.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+
+from lightning_sdp4bit import checkpoint as sharded_checkpoint
+from lightning_sdp4bit import ops
+from lightning_sdp4bit.config import SDP4BitConfig
+from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.stats import WireMeter
+from lightning_sdp4bit.topology import Topology, create_process_groups
+
+__all__ = [
+    "SAVED_BY_FABRIC",
+    "START_METHODS",
+    "SUPPORTED_PRECISIONS",
+    "CompiledRegionWatch",
+    "barrier",
+    "broadcast_object",
+    "build_engine",
+    "check_precision",
+    "check_start_method",
+    "check_topology",
+    "connect",
+    "load_ordinary_state",
+    "save_sharded",
+    "set_world_ranks",
+    "start_weight_sync",
+]
+
+SUPPORTED_PRECISIONS = ("bf16-true", "32-true", "bf16-mixed", "16-true")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# Key of Lightning's part of a sharded checkpoint that marks one written by Fabric; its value is
+# {"module": state key, "optimizers": [state keys]} (the names the Fabric user saved them under).
+SAVED_BY_FABRIC = "sdp4bit_saved_by_fabric"
+
+
+def check_precision(precision: str | None) -> None:
+    """Refuse the precisions whose semantics break sharded optimizer state (None: not set yet)."""
+    if precision is None or precision in SUPPORTED_PRECISIONS:
+        return
+    reason = (
+        ": its GradScaler skips steps on each rank's own overflow check, so the ranks' sharded "
+        "optimizer states would diverge"
+        if precision == "16-mixed"
+        else ""
+    )
+    raise ValueError(
+        f"precision={precision!r} is not supported by the sdp4bit strategy{reason}. "
+        f"Use one of {', '.join(map(repr, SUPPORTED_PRECISIONS))} ('bf16-true' is the paper's setting)."
+    )
+
+
+def check_start_method(start_method: str) -> None:
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}")
+
+
+def check_topology(config: SDP4BitConfig, num_nodes: int, num_processes: int, devices: list | None) -> None:
+    """Topology and kernel-limit errors surface while the Trainer / Fabric is built, not in the workers."""
+    config.resolve_ranks_per_node(num_nodes * num_processes, num_processes)
+    if devices:
+        ops.check_kernel_limits(config, devices[0].type)
+
+
+def set_world_ranks(strategy: Any) -> None:
+    """Global rank = node_rank * processes per node + local rank, as DDP numbers them."""
+    if strategy.cluster_environment is not None:
+        strategy.cluster_environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    # Lightning's rank_zero_only (Trainer and Fabric) is lightning_utilities' one object.
+    utils_rank_zero_only.rank = strategy.global_rank
+
+
+def connect(cluster_environment: Any, backend: str | None, timeout: timedelta | None, root_device: torch.device) -> str:
+    """Join (or reuse) the default process group; returns the backend in use (gloo on CPU, NCCL on GPU)."""
+    backend = backend or _get_default_process_group_backend_for_device(root_device)
+    device_id = root_device if root_device.type != "cpu" else None
+    already_initialized = _distributed_is_initialized()
+    _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
+    if not already_initialized:
+        # The group stays up after training (saving a checkpoint needs it), but left alive at
+        # interpreter exit gloo's threads can abort the process ("terminate called without an
+        # active exception") after a successful run: take it down first.
+        atexit.register(_destroy_process_group)
+    return backend
+
+
+def _destroy_process_group() -> None:
+    if _distributed_is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def build_engine(
+    module: nn.Module,
+    config: SDP4BitConfig,
+    global_rank: int,
+    world_size: int,
+    num_processes: int,
+    meter: WireMeter,
+) -> ShardedEngine:
+    """The engine over `module` (already on its device, in its training dtype). Collective."""
+    ranks_per_node = config.resolve_ranks_per_node(world_size, num_processes)
+    topology = Topology(global_rank, world_size, ranks_per_node)
+    return ShardedEngine(module, config, topology, create_process_groups(topology), meter)
+
+
+class CompiledRegionWatch:
+    """Learns whether the engine's forward pre-hooks run inside torch.compile-d code.
+
+    Under compile, a forward pre-hook that waits on an all-gather cannot be traced (dynamo graph-
+    breaks on `Work.wait`) and its check of the pending set guards the graph, which recompiles
+    whenever that set changes. Both go away when nothing is pending by the time compiled code
+    runs: the hooks then trace as no-ops over an empty set. This watch sits beside each hooked
+    module; dynamo runs its hook at trace time (is_compiling() is True only then) and replays
+    the attribute store on every call of the graph, so `seen` turns True from the first compiled
+    forward on, and `start_weight_sync` below then completes the all-gathers at once.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.seen = False
+        self._handles = [
+            m.register_forward_pre_hook(self._hook)
+            for m in module.modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+
+    def _hook(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            self.seen = True
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def start_weight_sync(engine: ShardedEngine, watch: CompiledRegionWatch | None) -> dict[str, float]:
+    """After an optimizer step: start the weight all-gathers. Eager forwards wait for each
+    module's buckets in its pre-hook (overlap); compiled forwards find them complete."""
+    stats = engine.start_weight_sync()
+    if watch is not None and watch.seen:
+        engine.wait_weights()
+    return stats
+
+
+def barrier(root_device: torch.device) -> None:
+    if not _distributed_is_initialized():
+        return
+    if torch.distributed.get_backend() == "nccl":
+        torch.distributed.barrier(device_ids=[root_device.index])
+    else:
+        torch.distributed.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not _distributed_is_initialized():
+        return obj
+    holder = [obj]
+    torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+    return holder[0]
+
+
+def save_sharded(
+    engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer],
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    barrier_fn: Callable[[], None],
+) -> None:
+    """Write the sharded directory; `checkpoint` holds everything but the weights and optimizer
+    state (Lightning's dict, or a Fabric user's other entries). Collective."""
+    # The weight shards written must be the replicas' current ones, and in-place edits since
+    # the step must be in the masters: absorb_weight_edits waits for the weights, then takes them in.
+    engine.absorb_weight_edits()
+    sharded_checkpoint.save_sharded(engine, optimizers, checkpoint, path, barrier_fn)
+
+
+def load_ordinary_state(
+    engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer] | None,
+    state_dict: dict[str, Any],
+    optimizer_states: list[dict[str, Any]],
+) -> None:
+    """Restore from an ordinary (single-file) checkpoint: a consolidated one, or DDP's. Without
+    optimizer states only the weights and masters are restored."""
+    engine.wait_weights()
+    full = sharded_checkpoint.full_state_from_lightning(
+        {"state_dict": state_dict, "optimizer_states": optimizer_states}, engine.optimizer_param_names
+    )
+    sharded_checkpoint.load_full_state(engine, optimizers if full["optimizers"] else None, full)

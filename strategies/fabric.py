@@ -1,0 +1,377 @@
+"""`SDP4BitFabricStrategy`: the Lightning Fabric adapter over `lightning_sdp4bit.engine.ShardedEngine`.
+
+    fabric = Fabric(strategy="sdp4bit", devices=8, precision="bf16-true")   # after `import lightning_sdp4bit`
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+
+The same engine, config and checkpoint directory as the Trainer's `SDP4BitStrategy`; what both
+decide alike is in `common`. Per optimizer step the engine is driven as follows:
+- `setup_module`: builds the engine over the module (collective: rank 0's weights are broadcast);
+- `setup_optimizer`: `engine.shard_optimizer` re-points the optimizer at the fp32 master fragments;
+- `backward`: `check_weights_were_waited`, backward (the gradient hooks reduce-scatter bucket by
+  bucket), then `finish_grad_sync` unless inside `fabric.no_backward_sync(model)`, which sets
+  `engine.grad_sync_enabled = False` so that the micro-batch only accumulates;
+- `clip_gradients(max_norm=...)`: `engine.clip_grad_norm`, the global norm over all shards;
+- `optimizer.step()`: the master fragments step, then `start_weight_sync` all-gathers the weights;
+- `save` / `load`: the sharded directory of `lightning_sdp4bit.checkpoint` (`wait_weights` first);
+- `teardown`: `close`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.types import _Stateful
+from lightning_sdp4bit.strategies import common
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_sdp4bit import checkpoint as sharded_checkpoint
+from lightning_sdp4bit.config import SDP4BitConfig
+from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.stats import WireMeter
+
+__all__ = ["SDP4BitFabricStrategy"]
+
+
+class SDP4BitFabricStrategy(ParallelStrategy):
+    """Sharded data parallelism that communicates in ~4 bits (SDP4Bit), for Lightning Fabric.
+
+    One module per strategy (the one `fabric.setup` receives); any number of optimizers over its
+    parameters, each fresh. `fabric.backward(loss)` must replace `loss.backward()`.
+
+    Args:
+        config: an `SDP4BitConfig`, a dict of its fields (optionally with "preset"), or the path
+            of a YAML file. Defaults to the paper's settings.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
+        process_group_backend, timeout, start_method: as for Fabric's DDPStrategy.
+    """
+
+    def __init__(
+        self,
+        config: SDP4BitConfig | dict[str, Any] | str | os.PathLike | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.config = SDP4BitConfig.coerce(config)
+        common.check_start_method(start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._backward_sync_control = _EngineBackwardSync(self)
+        self.engine: ShardedEngine | None = None
+        self._optimizers: list[Optimizer] = []  # in the order they were sharded (the checkpoint's order)
+        self._compile_watch: common.CompiledRegionWatch | None = None
+        self.meter = WireMeter()
+        self.comm_stats: dict[str, float] = {}
+        """The last optimizer step's communication figures (see lightning_sdp4bit.stats)."""
+
+    # ----------------------------------------------------------------------------------------
+    # What Fabric asks of a parallel strategy
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def precision(self) -> Precision:
+        return ParallelStrategy.precision.fget(self)  # type: ignore[attr-defined]
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        # Fabric sets the plugin while it is built, before any process is launched.
+        common.check_precision(getattr(precision, "precision", None))
+        self._precision = precision
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _set_world_ranks(self) -> None:
+        common.set_world_ranks(self)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._set_world_ranks()
+        self._process_group_backend = common.connect(
+            self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # Model and optimizers
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Build the engine over `module` (already converted to its precision and on its device).
+        The module comes back unwrapped: the engine works through hooks."""
+        if self.engine is not None:
+            raise ValueError(
+                "SDP4BitFabricStrategy shards one module and it was set up already; put the modules you "
+                "train together into one nn.Module and call fabric.setup once"
+            )
+        self.engine = common.build_engine(
+            module, self.config, self.global_rank, self.world_size, self.num_processes, self.meter
+        )
+        self._compile_watch = common.CompiledRegionWatch(module)
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Re-point a fresh optimizer over the module's parameters at this rank's fp32 master fragments."""
+        if self.engine is None:
+            raise RuntimeError(
+                "set up the module before its optimizers: fabric.setup(model, optimizer), or "
+                "fabric.setup_module(model) then fabric.setup_optimizers(optimizer)"
+            )
+        self.engine.shard_optimizer(optimizer)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        if self.engine is not None:
+            self.engine.wait_weights()  # every rank holds the full weights once they have arrived
+        return module.state_dict()
+
+    # ----------------------------------------------------------------------------------------
+    # The training step
+
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        if self.engine is None:
+            super().backward(tensor, module, *args, **kwargs)
+            return
+        self.engine.check_weights_were_waited()
+        super().backward(tensor, module, *args, **kwargs)
+        if self.engine.grad_sync_enabled:
+            self.engine.finish_grad_sync()
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the global 2-norm over every rank's gradient shard (one all-reduce)."""
+        if self.engine is None:
+            raise RuntimeError("fabric.clip_gradients needs the module set up with fabric.setup first")
+        if float(norm_type) != 2.0:
+            raise ValueError(f"the sdp4bit strategy clips by the 2-norm only, got norm_type={norm_type!r}")
+        self.precision.unscale_gradients(optimizer)
+        norm = self.engine.clip_grad_norm(float(max_norm))
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(
+                f"the global gradient norm is {norm.item()}; pass error_if_nonfinite=False to clip anyway"
+            )
+        return norm
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            # The step's verdict (non-finite gradients, parameters without one) and in-place
+            # weight edits since the last step, right before the optimizer reads the masters.
+            self.engine.prepare_step()
+        output = super().optimizer_step(optimizer, **kwargs)
+        if self.engine is not None:
+            self.comm_stats = common.start_weight_sync(self.engine, self._compile_watch)
+        return output
+
+    def wait_weights(self) -> None:
+        """Complete the weight all-gathers that the last optimizer step started.
+
+        Each module's forward waits for its own weights, so a training loop needs nothing; call
+        this before reading the parameters outside a forward (at the end of training, for an EMA
+        copy, for logging). `fabric.save` and the module's state_dict through Fabric wait already.
+        """
+        if self.engine is not None:
+            self.engine.wait_weights()
+
+    def teardown(self) -> None:
+        # The engine stays (closed: no hooks, nothing in flight) so that fabric.save afterwards
+        # still finds the master shards.
+        if self.engine is not None:
+            self.engine.close()
+        if self._compile_watch is not None:
+            self._compile_watch.close()
+            self._compile_watch = None
+        super().teardown()
+
+    # ----------------------------------------------------------------------------------------
+    # Collectives for users (fabric.all_reduce / broadcast / barrier; all_gather is inherited)
+
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        common.barrier(self.root_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return common.broadcast_object(obj, src)
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints: the Trainer's sharded directory (see lightning_sdp4bit.checkpoint)
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Write `path` as a sharded directory: the module's weights and the optimizers' state go
+        into the shards; every other entry (its state_dict if it has one) into meta.pt."""
+        if storage_options is not None or filter:
+            raise TypeError("the sdp4bit strategy writes sharded directories and takes no storage_options or filter")
+        if self.engine is None:
+            raise RuntimeError("fabric.save needs the module set up with fabric.setup first")
+        module_key, optimizer_keys, extras = None, [], {}
+        for key, obj in state.items():
+            if obj is self.engine.module:
+                module_key = key
+            elif any(obj is optimizer for optimizer in self._optimizers):
+                optimizer_keys.append(key)
+            else:
+                extras[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        extras[common.SAVED_BY_FABRIC] = {"module": module_key, "optimizers": optimizer_keys}
+        common.save_sharded(self.engine, self._optimizers, extras, path, self.barrier)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any] | nn.Module | Optimizer | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore the set-up module and its optimizers from a sharded directory (written by Fabric
+        or the Trainer) or from an ordinary file (consolidated, or DDP's); other entries of `state`
+        from the checkpoint's other entries. Returns what `state` did not ask for."""
+        path = sharded_checkpoint.find_checkpoint(path)  # a save interrupted before its last rename
+        if state is not None and not isinstance(state, dict):
+            raise TypeError(
+                "the sdp4bit strategy loads into a dict of objects, e.g. fabric.load(path, {'model': model, "
+                "'optimizer': optimizer}); got " + type(state).__name__
+            )
+        if not state:
+            if sharded_checkpoint.is_sharded_checkpoint(path):
+                return sharded_checkpoint.consolidate_checkpoint(path)
+            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if self.engine is None:
+            raise RuntimeError("fabric.load needs the module set up with fabric.setup first")
+        module_keys = [k for k, obj in state.items() if obj is self.engine.module]
+        optimizer_keys = [k for k, obj in state.items() if any(obj is o for o in self._optimizers)]
+        if optimizer_keys and not module_keys:
+            raise ValueError(
+                f"{path}: the optimizers' sharded state belongs with the module's; load both, e.g. "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
+        if optimizer_keys and len(optimizer_keys) != len(self._optimizers):
+            raise ValueError(f"{path}: pass all {len(self._optimizers)} set-up optimizers or none")
+        optimizers = self._optimizers if optimizer_keys else None
+        if sharded_checkpoint.is_sharded_checkpoint(path):
+            remainder = self._load_sharded(path, module_keys, optimizers)
+        else:
+            remainder = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            _validate_keys_for_strict_loading(module_keys + optimizer_keys, remainder.keys(), strict=strict)
+            if module_keys and module_keys[0] in remainder:
+                saved = [remainder.pop(k) for k in optimizer_keys if k in remainder]
+                module_state = remainder.pop(module_keys[0])
+                common.load_ordinary_state(self.engine, optimizers if saved else None, module_state, saved)
+        others = [k for k in state if k not in module_keys and k not in optimizer_keys]
+        _validate_keys_for_strict_loading(others, remainder.keys(), strict=strict)
+        for key in others:
+            if key not in remainder:
+                continue
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(remainder.pop(key))
+            else:
+                state[key] = remainder.pop(key)
+        return remainder
+
+    def _load_sharded(self, path: Any, module_keys: list[str], optimizers: list[Optimizer] | None) -> dict[str, Any]:
+        assert self.engine is not None
+        meta = sharded_checkpoint.read_meta(path, collective=True)
+        if module_keys:
+            self.engine.wait_weights()
+            sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+            self.engine.module.load_state_dict(meta["untrained_state"], strict=False)
+        remainder = dict(meta["lightning"])
+        remainder.pop(common.SAVED_BY_FABRIC, None)
+        return remainder
+
+
+class _EngineBackwardSync(_BackwardSyncControl):
+    """`fabric.no_backward_sync(model)`: the micro-batch's gradients accumulate, nothing is sent."""
+
+    def __init__(self, strategy: SDP4BitFabricStrategy):
+        self._strategy = strategy
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        engine = self._strategy.engine
+        if not enabled:
+            return nullcontext()
+        if engine is None or module is not engine.module:
+            raise TypeError("no_backward_sync takes the model that fabric.setup returned for this strategy")
+        return _sync_disabled(engine)
+
+
+@contextmanager
+def _sync_disabled(engine: ShardedEngine) -> Generator[None, None, None]:
+    engine.grad_sync_enabled = False
+    try:
+        yield
+    finally:
+        engine.grad_sync_enabled = True
