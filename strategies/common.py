@@ -35,6 +35,7 @@ from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology, create_process_groups
 
 __all__ = [
+    "DataParallelLayout",
     "SAVED_BY_FABRIC",
     "START_METHODS",
     "SUPPORTED_PRECISIONS",
@@ -57,6 +58,39 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 # Key of Lightning's part of a sharded checkpoint that marks one written by Fabric; its value is
 # {"module": state key, "optimizers": [state keys]} (the names the Fabric user saved them under).
 SAVED_BY_FABRIC = "sdp4bit_saved_by_fabric"
+
+
+class DataParallelLayout:
+    """The properties both adapters answer alike: one process per device, on every node.
+
+    Listed first among an adapter's bases, so that these satisfy both Lightning base classes'
+    abstract properties. Expects `parallel_devices`, `local_rank`, `global_rank`, `_num_nodes`
+    and `_process_group_backend` on the strategy."""
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
 
 
 def check_precision(precision: str | None) -> None:

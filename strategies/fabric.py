@@ -47,7 +47,7 @@ from lightning_sdp4bit.stats import WireMeter
 __all__ = ["SDP4BitFabricStrategy"]
 
 
-class SDP4BitFabricStrategy(ParallelStrategy):
+class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
     """Sharded data parallelism that communicates in ~4 bits (SDP4Bit), for Lightning Fabric.
 
     One module per strategy (the one `fabric.setup` receives); any number of optimizers over its
@@ -95,31 +95,6 @@ class SDP4BitFabricStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------------------------------
     # What Fabric asks of a parallel strategy
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     def precision(self) -> Precision:

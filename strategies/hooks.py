@@ -22,39 +22,28 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import (
-    Callback,
-    DeviceStatsMonitor,
-    EarlyStopping,
-    GradientAccumulationScheduler,
-    LearningRateMonitor,
-    ModelCheckpoint,
-    ModelSummary,
-    ProgressBar,
-    ThroughputMonitor,
-    Timer,
-)
+from lightning.pytorch import callbacks
 
 __all__ = ["WeightReadingHooks", "overrides_hook"]
 
 # Lightning's callbacks that read no weights in their hooks (ModelCheckpoint saves through the
 # strategy, which waits itself); a user's subclass that overrides a hook is wrapped all the same.
 _READS_NO_WEIGHTS: tuple[type, ...] = (
-    Callback,
-    DeviceStatsMonitor,
-    EarlyStopping,
-    GradientAccumulationScheduler,
-    LearningRateMonitor,
-    ModelCheckpoint,
-    ModelSummary,
-    ProgressBar,
-    ThroughputMonitor,
-    Timer,
+    callbacks.Callback,
+    callbacks.DeviceStatsMonitor,
+    callbacks.EarlyStopping,
+    callbacks.GradientAccumulationScheduler,
+    callbacks.LearningRateMonitor,
+    callbacks.ModelCheckpoint,
+    callbacks.ModelSummary,
+    callbacks.ProgressBar,
+    callbacks.ThroughputMonitor,
+    callbacks.Timer,
 )
 
 # Every hook that can run between an optimizer step and the next forward, or after fit.
 # (setup runs before the engine exists; on_before_optimizer_step runs after forward waited.)
-_HOOKS = tuple(sorted({name for name in dir(Callback) if name.startswith("on_")} | {"teardown"}))
+_HOOKS = tuple(sorted({name for name in dir(callbacks.Callback) if name.startswith("on_")} | {"teardown"}))
 
 
 def _defining_class(obj: Any, name: str) -> type | None:

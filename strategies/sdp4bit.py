@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 _SHARDED_KEY = "sdp4bit_checkpoint_dir"  # marks a checkpoint dict loaded from a sharded directory
 
 
-class SDP4BitStrategy(ParallelStrategy):
+class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
     """Sharded data parallelism that communicates in ~4 bits (SDP4Bit, NeurIPS 2024).
 
     Every rank keeps the full weights in the module's dtype; each rank keeps fp32 master weights
@@ -108,31 +108,6 @@ class SDP4BitStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         # Lightning injects the DistributedSampler and honours sync_dist only when this is True.
         return True
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     def precision_plugin(self) -> Precision:

@@ -4,7 +4,8 @@
   replicas identical, training goes on), "error" (NonFiniteGradientError on every rank, naming
   the step) and "propagate" (the weights become non-finite, as under DDP); baseline and sdp4bit;
 - a branch unused on every rank on even steps gets grad None there, so AdamW skips it: the fp32
-  baseline equals DDPStrategy(find_unused_parameters=True) bit for bit;
+  baseline equals DDPStrategy(find_unused_parameters=True) bit for bit; so does a model that runs
+  one block twice in each forward (its gradients are complete when their hooks fire);
 - the engine's collectives never run on the default process group, which Lightning's own
   collectives (the per-batch SIGTERM broadcast, sync_dist) use.
 """
@@ -61,6 +62,15 @@ class UnusedOnEvenSteps(TinyLMModule):
         return loss
 
 
+class BlockTwice(TinyLMModule):
+    def training_step(self, batch, batch_idx):
+        model, tokens = self.model, batch[:, :-1]
+        x = model.embed(tokens) + model.position[: tokens.shape[1]]
+        x = model.blocks[1](model.blocks[0](model.blocks[0](x)))
+        logits = model.head(model.norm(x))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
 def _guards(rank, world, preset):
     import torch.distributed as dist
 
@@ -93,6 +103,10 @@ def _guards(rank, world, preset):
         module = UnusedOnEvenSteps()
         make_trainer(world, strategy, max_steps=4).fit(module)
         out[f"unused_{name}"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for name, strategy in (("ddp", _ddp_finding_unused()), ("ours", sdp4bit(preset=preset))):
+        module = BlockTwice()
+        make_trainer(world, strategy, max_steps=3).fit(module)
+        out[f"twice_{name}"] = weights(module)
     out["engine_groups_default"] = [g is None or g is dist.group.WORLD for g in groups]
     return out
 
@@ -131,5 +145,7 @@ def test_nonfinite_modes_unused_parameters_and_own_groups(preset):
         if preset == "baseline":
             for name, expected in result["unused_ddp"].items():
                 assert torch.equal(result["unused_ours"][name], expected), name
+            for name, expected in result["twice_ddp"].items():
+                assert torch.equal(result["twice_ours"][name], expected), name
     for name, value in results[0]["skip"][-1][0].items():
         assert torch.equal(results[1]["skip"][-1][0][name], value), name
