@@ -71,8 +71,8 @@ def _wire(rank, world, directory):
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("lightning_sdp4bit.engine").addHandler(handler)
-    logging.getLogger("lightning_sdp4bit.engine").setLevel(logging.INFO)
+    logging.getLogger("lightning_sdp4bit").addHandler(handler)
+    logging.getLogger("lightning_sdp4bit").setLevel(logging.INFO)
 
     out = {}
     one_bucket = {"ranks_per_node": 2, "bucket_numel": 10**8}
