@@ -3,7 +3,8 @@ same seed (2 CPU ranks, fp32):
 - manual gradient accumulation (`toggle_model(sync_grad=...)`, self.clip_gradients, opt.step()
   every 2 batches) accumulates every micro-batch and sends nothing early;
 - a callback reading the weights in on_train_batch_end and on_train_end sees the weights the
-  next forward uses, complete; EMAWeightAveraging gives DDP's average;
+  next forward uses, complete; EMAWeightAveraging and StochasticWeightAveraging give DDP's
+  averages;
 - on_before_optimizer_step sees p.grad: grad_norm gives DDP's norms, and gradient surgery on
   p.grad reaches the step;
 - in-place weight edits in a hook (a clamp through no_grad, and through .data) reach the masters;
@@ -76,6 +77,8 @@ def _callbacks():
 
 
 def _run_all(rank, world, preset):
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
     out = {}
     strategies = {"ddp": ddp, "ours": lambda: sdp4bit(preset=preset)}
     for name, make in strategies.items():
@@ -97,6 +100,10 @@ def _run_all(rank, world, preset):
             "norms": module.norms,
             "bias_grads": module.bias_grads,
         }
+        module = TinyLMModule(dataset_size=16)
+        swa = StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1)
+        make_trainer(world, make(), max_epochs=3, callbacks=[swa]).fit(module)
+        out[f"swa_{name}"] = weights(module)
     out["finetuning"] = _refused_changes(world, preset)
     return out
 
@@ -155,8 +162,9 @@ def test_hooks_and_manual_optimization(preset):
         assert unfreeze is not None and "Unfreeze (a BaseFinetuning callback) cannot run" in unfreeze
         assert flip is not None and "fixed when fit starts" in flip and "blocks.0.norm1.weight" in flip
         if preset == "baseline":
-            for name, expected in result["manual_ddp"].items():
-                assert torch.equal(result["manual_ours"][name], expected), name
+            for key in ("manual", "swa"):
+                for name, expected in result[f"{key}_ddp"].items():
+                    assert torch.equal(result[f"{key}_ours"][name], expected), (key, name)
             theirs = result["hooks_ddp"]
             for key in ("final", "at_end", "ema"):
                 for name, expected in theirs[key].items():
@@ -168,5 +176,6 @@ def test_hooks_and_manual_optimization(preset):
     # The replicas agree.
     for name, value in results[0]["hooks_ours"]["final"].items():
         assert torch.equal(results[1]["hooks_ours"]["final"][name], value), name
-    for name, value in results[0]["manual_ours"].items():
-        assert torch.equal(results[1]["manual_ours"][name], value), name
+    for key in ("manual_ours", "swa_ours"):
+        for name, value in results[0][key].items():
+            assert torch.equal(results[1][key][name], value), (key, name)
