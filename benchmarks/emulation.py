@@ -279,7 +279,7 @@ class Network:
 
     def all_reduce(self, tensor, group=None, async_op=False):
         lane, ranks = self._group(group, self.world)
-        if not tensor.is_cuda:  # a host-side agreement (a CPU bitmap over gloo): latency only
+        if not tensor.is_cuda and lane.stream is not None:  # a CPU bitmap over gloo beside NCCL: latency only
             tensor.mul_(ranks)
             return _Work(None) if async_op else None
         return lane.run(2 * (ranks - 1) / ranks * tensor.nbytes, (tensor,), lambda: tensor.mul_(ranks), async_op)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_sdp4bit.checkpoint import is_sharded_checkpoint
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "fabric_litgpt.py"
 SMALL = ["--steps", "6", "--n-layer", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "4"]
 
@@ -41,4 +43,5 @@ def test_a_few_steps_train_and_save(tmp_path):
     assert float(losses.group(2)) < float(losses.group(1))
     sent, uncompressed = map(float, re.search(r"rank 0: ([\d.]+) MB, uncompressed ([\d.]+) MB", result.stdout).groups())
     assert 0 < sent < uncompressed / 3
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
+    assert is_sharded_checkpoint(checkpoint)
+    assert sorted(p.name for p in checkpoint.glob("gen_*/*")) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]

@@ -8,11 +8,14 @@ one resumes under the Trainer; an ordinary file saved by Fabric's DDPStrategy re
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from distributed import run_workers
 from fabric_runs import make_fabric, sdp4bit, setup, train, weights
+
+from lightning_sdp4bit.checkpoint import is_sharded_checkpoint
 
 
 def _ddp_and_sdp4bit(rank, world, steps):
@@ -98,14 +101,15 @@ def _save_then_resume(rank, world, directory, preset):
         "resumed": weights(fabric, model),
         "step": state["step"],
         "remainder": remainder,
-        "listing": sorted(os.listdir(path)),
+        "complete": is_sharded_checkpoint(path),
+        "listing": sorted(p.name for p in Path(path).glob("gen_*/*")),
     }
 
 
 @pytest.mark.parametrize("preset", ["baseline", "sdp4bit"])
 def test_save_then_resume_equals_a_straight_run(tmp_path, preset):
     results = run_workers(_save_then_resume, 2, str(tmp_path), preset)
-    assert results[0]["listing"] == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
+    assert results[0]["complete"] and results[0]["listing"] == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
     for result in results:
         assert result["step"] == 2 and result["remainder"] == {}
         for name, expected in result["straight"].items():
