@@ -36,7 +36,7 @@ from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, layout_signature, plan_buckets
 from lightning_sdp4bit.collectives import Pending, grad_collective_for, weight_collective_for
 from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, auto_bucket_numel
-from lightning_sdp4bit.guards import NonFiniteGradientError, StepVerdict, decide_step
+from lightning_sdp4bit.guards import NonFiniteGradientError, StepVerdict, decide_step, global_squares
 from lightning_sdp4bit.module_hooks import register_hooks
 from lightning_sdp4bit.optim import shard_optimizer
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase
@@ -360,19 +360,12 @@ class ShardedEngine:
         assert self.verdict is not None
         norm = self.verdict.norm
         if self._grad_versions() != self._norm_versions:
-            norm = self._fresh_norm()
+            norm = global_squares([b.grad_shard for b in self.buckets], self.groups.world).sqrt()[0]
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for bucket in self.buckets:
             bucket.grad_shard.mul_(coefficient)
         self._norm_versions = None
         return norm
-
-    def _fresh_norm(self) -> Tensor:
-        squares = torch.zeros(1, dtype=torch.float32, device=self.buckets[0].grad_shard.device)
-        for bucket in self.buckets:
-            squares += bucket.grad_shard.pow(2).sum()
-        comm.all_reduce(squares, group=self.groups.world)
-        return squares.sqrt()[0]
 
     # ----------------------------------------------------------------------------------------
     # Weights

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_sdp4bit import comm
 
-__all__ = ["NonFiniteGradientError", "StepVerdict", "decide_step"]
+__all__ = ["NonFiniteGradientError", "StepVerdict", "decide_step", "global_squares"]
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -53,16 +53,21 @@ class StepVerdict:
         return self._finite
 
 
-def decide_step(grad_shards: list[Tensor], used_here: list[bool], group: Any, host_group: Any) -> StepVerdict:
-    """Collective over `group` (the gradients' device) and `host_group` (CPU tensors).
+def global_squares(grad_shards: list[Tensor], group: Any) -> Tensor:
+    """[1] fp32 on the shards' device: the sum over every rank of the squared gradient. Collective.
 
-    The squares are summed shard by shard, in bucket order, as a plain loop would, so that the
-    norm is the one clipping used before this module existed (bit for bit).
-    """
+    The squares are summed shard by shard, in bucket order, so that the norm is the one a plain
+    loop over the shards gives (bit for bit, whoever asks: the verdict or a later clip)."""
     squares = torch.zeros(1, dtype=torch.float32, device=grad_shards[0].device)
     for shard in grad_shards:
         squares += shard.pow(2).sum()
     comm.all_reduce(squares, group=group)
+    return squares
+
+
+def decide_step(grad_shards: list[Tensor], used_here: list[bool], group: Any, host_group: Any) -> StepVerdict:
+    """Collective over `group` (the gradients' device) and `host_group` (CPU tensors)."""
+    squares = global_squares(grad_shards, group)
     counts = torch.tensor(used_here, dtype=torch.int32)
     comm.all_reduce(counts, group=host_group)
     return StepVerdict(squares, tuple(bool(count) for count in counts.tolist()))

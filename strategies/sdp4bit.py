@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -213,11 +213,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         trainer = model.trainer
         readers = [obj for obj in [*trainer.callbacks, model] if overrides_hook(obj, "on_before_optimizer_step")]
         self.engine.finish_grad_sync()
-        if readers:
-            with gradients_on_parameters(self.engine):
-                call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-                call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        else:
+        with gradients_on_parameters(self.engine) if readers else nullcontext():
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self.precision_plugin._clip_gradients(
