@@ -59,8 +59,8 @@ def _check_collectives(rank, world, ranks_per_node, device) -> list[str]:
     config = SDP4BitConfig(rounding="nearest", ranks_per_node=ranks_per_node)
     bucket = _bucket(world, rank, 300_000, torch.float32, device, 2048)
     grads = [torch.randn(bucket.layout.numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    bucket.grad_accumulator.copy_(grads[rank])
-    pending = TwoLevelGradReduceScatter(config, topology, groups, WireMeter(), rank).start(bucket, 0)
+    collective = TwoLevelGradReduceScatter(config, topology, groups, WireMeter(), rank)
+    pending = collective.start(bucket, grads[rank].to(device), 1.0, 0)
     pending.wait()
     expected = simulate_two_level_reduce_scatter(
         grads, ranks_per_node, intra_bits=8, inter_bits=4, group_size=128, hadamard_size=32

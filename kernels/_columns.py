@@ -50,6 +50,7 @@ __all__ = [
     "pack_columns",
     "quantize_columns",
     "round_to_bf16",
+    "scale_columns",
     "store_columns",
     "store_rows_coalesced",
     "tl",
@@ -95,6 +96,15 @@ def load_columns(ptr, row_start, live, T: tl.constexpr):
             for c in tl.static_range(C):
                 columns = columns + (_pick(tile, lane, c),)
     return columns
+
+
+@triton.jit
+def scale_columns(x, factor, T: tl.constexpr):
+    """Each of the T columns [R] times a run-time fp32 factor (one rounding per element)."""
+    y = ()
+    for i in tl.static_range(T):
+        y = y + (x[i] * factor,)
+    return y
 
 
 @triton.jit

@@ -7,7 +7,8 @@ grad[:, c, :] (c goes to peer c in the all-to-all). The rotated gradient never e
 
 Twin: `torch_grad_encode` in `lightning_sdp4bit.reference.ops`.
 
-Bytes per element: reads 4 (fp32 gradient) or 2 (bf16), writes bits/8 + 4/group.
+Bytes per element: reads 4 (fp32 gradient) or 2 (bf16), writes bits/8 + 4/group. The 1/world of the
+average is folded in (`scale`), so that no pass over the bucket has to divide it first.
 """
 
 import torch
@@ -16,15 +17,26 @@ from torch import Tensor
 from lightning_sdp4bit.config import Rounding, check_bits
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
-from ._columns import hadamard_columns, load_columns, pack_columns, quantize_columns, store_columns, tl, triton
+from ._columns import (
+    hadamard_columns,
+    load_columns,
+    pack_columns,
+    quantize_columns,
+    scale_columns,
+    store_columns,
+    tl,
+    triton,
+)
 from ._common import (
     MAX_GRID_Y,
     SPLIT_THREAD_ROW,
     LaunchConfig,
     check_group_and_hadamard,
     check_rounding,
+    check_scale,
     check_seed,
     check_tensor,
+    eager,
     hadamard_constants,
     row_length,
 )
@@ -43,6 +55,7 @@ def _grad_encode_kernel(
     row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # outer * S * BITS // 32: the word of a row where its scales start
     seed,
+    grad_scale,  # fp32 factor on every gradient element before the transform (1/world)
     ROW_UNIT: tl.constexpr,  # words; see _common.row_length
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -61,7 +74,7 @@ def _grad_encode_kernel(
     chunk = shard % chunks
     in_shard = tl.program_id(0) * R + tl.arange(0, R)
     live = in_shard < shard_rows
-    x = load_columns(grad_ptr, (shard.to(tl.int64) * shard_rows + in_shard) * T, live, T)
+    x = scale_columns(load_columns(grad_ptr, (shard.to(tl.int64) * shard_rows + in_shard) * T, live, T), grad_scale, T)
     # The transform's 1/sqrt(H) is left to the quantizer, which saves it per element when rounding
     # is stochastic.
     x = hadamard_columns(x, R, T, LOG2_H, 1.0)
@@ -79,7 +92,6 @@ def _grad_encode_kernel(
     tl.store(scales_ptr + scale_at, scales, mask=heads < shard_rows)
 
 
-@torch.library.custom_op("sdp4bit::grad_encode", mutates_args=())
 def _grad_encode(
     grad: Tensor,
     outer: int,
@@ -89,6 +101,7 @@ def _grad_encode(
     group_size: int,
     rounding: str,
     seed: int,
+    scale: float,
 ) -> Tensor:
     config = LaunchConfig(group_size, SPLIT_THREAD_ROW, rows_per_thread=2)
     row_numel = grad.numel() // chunks
@@ -106,6 +119,7 @@ def _grad_encode(
         row_units,
         row_numel * bits // 32,
         seed,
+        scale,
         ROW_UNIT=unit,
         BITS=bits,
         GROUP=group_size,
@@ -118,8 +132,11 @@ def _grad_encode(
     return payload
 
 
-@_grad_encode.register_fake
-def _(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed):
+_grad_encode_op = torch.library.custom_op("sdp4bit::grad_encode", _grad_encode, mutates_args=())
+
+
+@_grad_encode_op.register_fake
+def _(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale):
     row_numel = grad.numel() // chunks
     return grad.new_empty(chunks, payload_row_bytes(row_numel, bits, group_size), dtype=torch.uint8)
 
@@ -133,19 +150,22 @@ def grad_encode(
     group_size: int,
     rounding: Rounding | str,
     seed: int,
+    scale: float = 1.0,
 ) -> Tensor:
     """Gradient stage 1: payload uint8 [chunks, row_bytes(outer * S)] of grad [N = outer*chunks*S].
 
-    Chunk c holds the rotated, quantized grad[o, c, :] for o = 0..outer-1 (the bucket viewed as
-    [outer, chunks, S]). grad: fp32 or bf16; S must be a multiple of group_size; hadamard_size:
-    0 (off) or a power of two up to 256 dividing group_size. Equals `torch_grad_encode` byte for
-    byte with nearest rounding. Raises ValueError, naming the parameter, for bad arguments.
+    Chunk c holds the rotated, quantized scale * grad[o, c, :] for o = 0..outer-1 (the bucket
+    viewed as [outer, chunks, S]; the product is taken in fp32). grad: fp32 or bf16; S must be a
+    multiple of group_size; hadamard_size: 0 (off) or a power of two up to 256 dividing
+    group_size; scale: positive and finite. Equals `torch_grad_encode` byte for byte with nearest
+    rounding. Raises ValueError, naming the parameter, for bad arguments.
     """
     check_bits("bits", bits)
     check_group_and_hadamard(group_size, hadamard_size)
     stochastic = check_rounding(rounding)
     check_seed(seed)
     check_tensor("grad", grad, (torch.float32, torch.bfloat16), 1)
+    check_scale(scale)
     for name, value in (("outer", outer), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -158,4 +178,6 @@ def grad_encode(
             f"of whole groups of group_size={group_size}"
         )
     rounding = (Rounding.STOCHASTIC if stochastic else Rounding.NEAREST).value
-    return _grad_encode(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed)
+    return eager(_grad_encode_op, _grad_encode)(
+        grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, float(scale)
+    )

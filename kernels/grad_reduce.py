@@ -40,6 +40,7 @@ from ._common import (
     check_rounding,
     check_seed,
     check_tensor,
+    eager,
     hadamard_constants,
     row_length,
     word_views,
@@ -194,7 +195,6 @@ def _decode_sum_kernel(
     store_rows_coalesced(out_ptr, rows, live, total, T)
 
 
-@torch.library.custom_op("sdp4bit::grad_requantize", mutates_args=())
 def _grad_requantize(
     payload: Tensor, in_bits: int, out_bits: int, group_size: int, outer: int, rounding: str, seed: int
 ) -> Tensor:
@@ -232,13 +232,15 @@ def _grad_requantize(
     return out
 
 
-@_grad_requantize.register_fake
+_grad_requantize_op = torch.library.custom_op("sdp4bit::grad_requantize", _grad_requantize, mutates_args=())
+
+
+@_grad_requantize_op.register_fake
 def _(payload, in_bits, out_bits, group_size, outer, rounding, seed):
     shard = payload.shape[1] * 8 * group_size // (in_bits * group_size + 32) // outer
     return payload.new_empty(outer, payload_row_bytes(shard, out_bits, group_size), dtype=torch.uint8)
 
 
-@torch.library.custom_op("sdp4bit::grad_decode_sum", mutates_args=("out",))
 def _grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: int, out: Tensor) -> None:
     config = LaunchConfig(group_size)
     T = config.thread_row
@@ -260,7 +262,10 @@ def _grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size:
     )
 
 
-@_grad_decode_sum.register_fake
+_grad_decode_sum_op = torch.library.custom_op("sdp4bit::grad_decode_sum", _grad_decode_sum, mutates_args=("out",))
+
+
+@_grad_decode_sum_op.register_fake
 def _(payload, bits, group_size, hadamard_size, out):
     return None
 
@@ -297,7 +302,7 @@ def grad_requantize(
             f"shards of whole groups of {group_size}, got {outer!r}"
         )
     rounding = (Rounding.STOCHASTIC if stochastic else Rounding.NEAREST).value
-    return _grad_requantize(payload, in_bits, out_bits, group_size, outer, rounding, seed)
+    return eager(_grad_requantize_op, _grad_requantize)(payload, in_bits, out_bits, group_size, outer, rounding, seed)
 
 
 def grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: int, out: Tensor) -> Tensor:
@@ -316,5 +321,5 @@ def grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: 
             f"out must hold the {numel} elements of a payload row on {payload.device}, "
             f"got {out.numel()} on {out.device}"
         )
-    _grad_decode_sum(payload, bits, group_size, hadamard_size, out)
+    eager(_grad_decode_sum_op, _grad_decode_sum)(payload, bits, group_size, hadamard_size, out)
     return out

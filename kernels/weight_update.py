@@ -37,6 +37,7 @@ from ._common import (
     check_rounding,
     check_seed,
     check_tensor,
+    eager,
     row_length,
     word_views,
 )
@@ -118,7 +119,6 @@ def _apply_kernel(
     store_columns(weights_ptr, first, live, values, T)
 
 
-@torch.library.custom_op("sdp4bit::weight_update_encode", mutates_args=())
 def _weight_update_encode(
     master: Tensor, weights: Tensor | None, bits: int, group_size: int, rounding: str, seed: int
 ) -> Tensor:
@@ -147,12 +147,16 @@ def _weight_update_encode(
     return payload
 
 
-@_weight_update_encode.register_fake
+_weight_update_encode_op = torch.library.custom_op(
+    "sdp4bit::weight_update_encode", _weight_update_encode, mutates_args=()
+)
+
+
+@_weight_update_encode_op.register_fake
 def _(master, weights, bits, group_size, rounding, seed):
     return master.new_empty(1, payload_row_bytes(master.numel(), bits, group_size), dtype=torch.uint8)
 
 
-@torch.library.custom_op("sdp4bit::weight_update_apply", mutates_args=("weights",))
 def _weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> None:
     # It only dequantizes, so a thread row can be one 16-byte vector of weights (and at least one
     # word of codes): a warp's accesses are then contiguous, where 64-byte bf16 rows left half of
@@ -179,7 +183,12 @@ def _weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size
     )
 
 
-@_weight_update_apply.register_fake
+_weight_update_apply_op = torch.library.custom_op(
+    "sdp4bit::weight_update_apply", _weight_update_apply, mutates_args=("weights",)
+)
+
+
+@_weight_update_apply_op.register_fake
 def _(payload, weights, bits, group_size, additive):
     return None
 
@@ -206,7 +215,7 @@ def weight_update_encode(
         if weights.shape != master.shape or weights.device != master.device:
             raise ValueError(f"weights must match master's shape and device, got {tuple(weights.shape)}")
     rounding = (Rounding.STOCHASTIC if stochastic else Rounding.NEAREST).value
-    return _weight_update_encode(master, weights, bits, group_size, rounding, seed)
+    return eager(_weight_update_encode_op, _weight_update_encode)(master, weights, bits, group_size, rounding, seed)
 
 
 def weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> Tensor:
@@ -227,5 +236,5 @@ def weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size:
         )
     if not isinstance(additive, bool):
         raise ValueError(f"additive must be True or False, got {additive!r}")
-    _weight_update_apply(payload, weights, bits, group_size, additive)
+    eager(_weight_update_apply_op, _weight_update_apply)(payload, weights, bits, group_size, additive)
     return weights

@@ -10,7 +10,11 @@ one parameter that falls inside one rank's shard; the optimizer steps fragments.
 
 Per bucket (N = W * S elements):
 - model weights: [N] in the module's dtype; the parameters are views into it;
-- gradient accumulator: [N] fp32, summed over micro-batches, reduce-scattered once per step;
+- window gradients: [N], what one optimizer step reduce-scatters. In the module's dtype when one
+  backward gives each gradient (as DDP's buckets), in fp32 when micro-batches are summed. They
+  exist from the bucket's first gradient of a window until its exchange takes them, so that
+  during backward only the buckets between those two moments hold any (the peak is the start of
+  backward, when none do yet);
 - master shard, gradient shard: [S] fp32 each;
 - applied shard: [S] in the module's dtype, the weight shard as the last exchange left it.
 """
@@ -139,7 +143,7 @@ class Bucket:
         self.weights = weights
         self.params = list(params)
         device = weights.device
-        self.grad_accumulator = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        self.grads: Tensor | None = None  # the window gradients [N], see receive_grad
         lo, hi = layout.shard_bounds(rank)
         self.master = weights[lo:hi].float().clone()
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
@@ -152,8 +156,37 @@ class Bucket:
         lo, hi = self.layout.shard_bounds(self.rank)
         return self.weights[lo:hi]
 
-    def grad_view(self, slot: ParamSlot) -> Tensor:
-        return self.grad_accumulator[slot.start : slot.start + slot.numel].view(slot.shape)
+    def receive_grad(self, position: int, grad: Tensor, first: bool, accumulating: bool) -> None:
+        """Put parameter `position`'s gradient into the window gradients: copied on its `first`
+        arrival in the window, added after. The buffer is made at the bucket's first gradient, in
+        fp32 when micro-batches will be summed (`accumulating`) and in the weights' dtype
+        otherwise; a second gradient for a position turns it into fp32 first, so that sums are
+        always taken in fp32 (the conversion of a single bf16 gradient is exact)."""
+        if self.grads is None:
+            dtype = torch.float32 if accumulating else self.weights.dtype
+            self.grads = torch.empty(self.layout.numel, dtype=dtype, device=self.weights.device)
+            self.grads[self.layout.used_numel :].zero_()  # the padding
+        elif not first and self.grads.dtype != torch.float32:
+            self.grads = self.grads.float()
+        slot = self.layout.slots[position]
+        view = self.grads[slot.start : slot.start + slot.numel].view(slot.shape)
+        if first:
+            view.copy_(grad)
+        else:
+            view.add_(grad)
+
+    def take_grads(self, received: set[int]) -> Tensor:
+        """The window gradients [N] for the exchange, zero where a parameter got none (its slot
+        still holds whatever the allocator gave); the bucket lets go of them."""
+        grads = self.grads
+        if grads is None:
+            grads = torch.zeros(self.layout.numel, dtype=self.weights.dtype, device=self.weights.device)
+        else:
+            for position, slot in enumerate(self.layout.slots):
+                if position not in received:
+                    grads[slot.start : slot.start + slot.numel].zero_()
+        self.grads = None
+        return grads
 
 
 def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Parameter], rank: int) -> list[Bucket]:

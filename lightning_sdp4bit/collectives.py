@@ -1,7 +1,8 @@
 """The two collectives of sharded data parallelism, each behind one small interface.
 
-- `GradReduceScatter.start(bucket, step)`: from the bucket's gradient accumulator [N] (already
-  divided by the world size) to this rank's gradient shard [S], fp32.
+- `GradReduceScatter.start(bucket, grads, scale, step)`: from the window gradients [N] (fp32 or
+  the weights' dtype, summed over ranks after multiplying by `scale` = 1/world in fp32) to this
+  rank's gradient shard [S], fp32. The exchange owns `grads` from then on.
 - `WeightAllGather.start(bucket, step)`: from this rank's master shard [S] to the model weights
   [N] every rank holds.
 
@@ -61,7 +62,7 @@ class Pending(Protocol):
 
 
 class GradReduceScatter(Protocol):
-    def start(self, bucket: Bucket, step: int) -> Pending: ...
+    def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending: ...
 
 
 class WeightAllGather(Protocol):
@@ -102,17 +103,19 @@ class PlainGradReduceScatter:
     def __init__(self, groups: ProcessGroups, meter: WireMeter):
         self._group, self._meter = groups.world, meter
 
-    def start(self, bucket: Bucket, step: int) -> Pending:
-        source = bucket.grad_accumulator
+    def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
+        source = grads.float()  # the same tensor when it is fp32 already: the exchange owns it
+        source.mul_(scale)
         work = comm.reduce_scatter(bucket.grad_shard, source, group=self._group, async_op=True)
         self._meter.record("grad_reduce_scatter", source.nbytes, source.numel(), source.nbytes)
-        return _Single(work)
+        return _Single(work, keepalive=source)
 
 
 class TwoLevelGradReduceScatter:
     """TLq(-HS): quantized all-to-all inside the node, then across nodes (see SDP4BIT.md).
 
-    Stage 1 (rotate + quantize to grad_intra_bits + destination layout) runs at `start` and the
+    Stage 1 (scale by 1/world + rotate + quantize to grad_intra_bits + destination layout, one
+    kernel reading the window gradients) runs at `start` and the
     intra-node all-to-all is launched; once it has completed, `progress` (or `wait`) runs stage 2 (dequantize + sum +
     re-quantize to grad_inter_bits) and launches the inter-node all-to-all; `wait` runs stage 3
     (dequantize + sum + inverse Hadamard) into the gradient shard. With one node only the intra
@@ -125,12 +128,12 @@ class TwoLevelGradReduceScatter:
         self.config, self.topology, self.groups, self.meter = config, topology, groups, meter
         self.seeds = _Seeds(config, rank)
 
-    def start(self, bucket: Bucket, step: int) -> Pending:
-        return _TwoLevelExchange(self, bucket, step)
+    def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
+        return _TwoLevelExchange(self, bucket, grads, scale, step)
 
 
 class _TwoLevelExchange:
-    def __init__(self, owner: TwoLevelGradReduceScatter, bucket: Bucket, step: int):
+    def __init__(self, owner: TwoLevelGradReduceScatter, bucket: Bucket, grads: torch.Tensor, scale: float, step: int):
         config, topo = owner.config, owner.topology
         self._owner, self._bucket, self._step = owner, bucket, step
         intra = topo.has_intra_stage
@@ -138,17 +141,16 @@ class _TwoLevelExchange:
         self._bits = config.grad_intra_bits if intra else config.grad_inter_bits
         # Intra first: the bucket as [nodes, local, S] goes out by local index; inter only: by node.
         outer, chunks = (topo.nodes, topo.ranks_per_node) if intra else (1, topo.nodes)
-        source = bucket.grad_accumulator
         seed = owner.seeds(step, bucket, Stage.GRAD_ENCODE)
         payload = ops.grad_encode(
-            source, outer, chunks, config.hadamard_size, self._bits, config.grad_group_size, config.rounding, seed
+            grads, outer, chunks, config.hadamard_size, self._bits, config.grad_group_size, config.rounding, seed, scale
         )
         self._received = torch.empty_like(payload)
         group = owner.groups.intra if intra else owner.groups.inter
         self._work = comm.all_to_all(self._received, payload, group=group, async_op=True)
         self._sent = payload  # kept alive until the exchange completes
         kind = "grad_intra" if intra else "grad_inter"
-        owner.meter.record(kind, payload.nbytes, source.numel(), source.nbytes)
+        owner.meter.record(kind, payload.nbytes, grads.numel(), 4 * grads.numel())  # vs fp32
 
     def progress(self) -> None:
         """Run stage 2 if the intra-node all-to-all has completed; never blocks."""

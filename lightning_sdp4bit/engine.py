@@ -2,11 +2,12 @@
 
 One optimizer step (N = bucket elements, S = N / world, per bucket; the phases are named in
 `lightning_sdp4bit.schedule`):
-1. backward: each parameter's gradient is added, in fp32, into its bucket's gradient
-   accumulator [N] by a post-accumulate-grad hook, and the parameter's own .grad is freed.
-   While `grad_sync_enabled` (the last micro-batch of an accumulation window), a bucket whose
-   gradients are all in is divided by the world size and its reduce-scatter starts, overlapping
-   the rest of backward.
+1. backward: a post-accumulate-grad hook puts each parameter's gradient into its bucket's
+   window gradients [N] (`Bucket.receive_grad`: the weights' dtype for one backward, fp32 where
+   micro-batches are summed) and frees the parameter's own .grad. While `grad_sync_enabled` (the
+   last micro-batch of an accumulation window), a bucket whose gradients are all in starts its
+   reduce-scatter, overlapping the rest of backward; the exchange takes the window gradients
+   (and divides them by the world size as it reads them).
 2. `finish_grad_sync` (idempotent): start what is left, wait for everything, and decide the
    step on every rank alike (`lightning_sdp4bit.guards`): global norm, non-finite gradients,
    parameters that got no gradient. Master fragments' .grad point at the gradient shard [S], or
@@ -128,7 +129,6 @@ class ShardedEngine:
         self.nonfinite_steps = 0
         self._received: list[set[int]] = [set() for _ in self.buckets]  # positions with a gradient this window
         self._ready: list[set[int]] = [set() for _ in self.buckets]  # ... in the synced (last) backward
-        self._accumulated = False  # the accumulators hold gradients not yet exchanged
         self._norm_versions: tuple[int, ...] | None = None  # grad shards' versions when verdict.norm was taken
         self._stale_window_warned = False
         self._decided = False  # prepare_step applied the current verdict
@@ -213,11 +213,11 @@ class ShardedEngine:
                 "(it was used again later in the same backward); this strategy needs each parameter's "
                 "gradient to be final once its hook fires"
             )
+        received = self._received[index]
         with torch.no_grad():
-            bucket.grad_view(slot).add_(param.grad)
+            bucket.receive_grad(position, param.grad, position not in received, not self.grad_sync_enabled)
         param.grad = None
-        self._accumulated = True
-        self._received[index].add(position)
+        received.add(position)
         if self.grad_sync_enabled:
             # Only the synced backward's own gradients count towards a bucket being complete.
             self._ready[index].add(position)
@@ -238,8 +238,8 @@ class ShardedEngine:
     def _start_grad_exchange(self, index: int) -> Pending:
         bucket = self.buckets[index]
         with torch.no_grad():
-            bucket.grad_accumulator.mul_(1.0 / self.topology.world_size)
-            return self.grad_collectives[index].start(bucket, self.step)
+            grads = bucket.take_grads(self._received[index])
+            return self.grad_collectives[index].start(bucket, grads, 1.0 / self.topology.world_size, self.step)
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduce-scatter, decide the step, and hand the gradient shards to
@@ -251,10 +251,6 @@ class ShardedEngine:
             return
         with torch.no_grad():
             self.schedule.finish_grads()
-            if self._accumulated:
-                for bucket in self.buckets:
-                    bucket.grad_accumulator.zero_()
-                self._accumulated = False
             used_here = [
                 position in received
                 for bucket, received in zip(self.buckets, self._received, strict=True)
@@ -327,11 +323,8 @@ class ShardedEngine:
         if self.schedule.grads_exchanging:
             with torch.no_grad():
                 self.schedule.finish_grads()
-        if self._accumulated:
-            with torch.no_grad():
-                for bucket in self.buckets:
-                    bucket.grad_accumulator.zero_()
-            self._accumulated = False
+        for bucket in self.buckets:
+            bucket.grads = None
         self._reset_window()
         self._decided = False
         for records in self.fragments_by_name.values():

@@ -94,13 +94,14 @@ def grad_encode(
     group_size: int,
     rounding: Rounding,
     seed: int,
+    scale: float = 1.0,
 ) -> Tensor:
-    """Gradient stage 1: rotate, quantize, lay out by destination: payload [chunks, row]."""
+    """Gradient stage 1: scale (fp32), rotate, quantize, lay out by destination: payload [chunks, row]."""
     if _on_kernels(grad):
         from lightning_sdp4bit.kernels import grad_encode as kernel
 
-        return kernel(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed)
-    return reference.torch_grad_encode(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed)
+        return kernel(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
+    return reference.torch_grad_encode(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
 
 
 def grad_requantize(

@@ -5,9 +5,10 @@ Per optimizer step, every bucket goes through two phases of its own (N elements,
     gradients:  ACCUMULATING --launch--> EXCHANGING --wait--> REDUCED --discard--> ACCUMULATING
     weights:    CURRENT --start--> EXCHANGING --wait--> CURRENT
 
-- ACCUMULATING: micro-batch gradients are summed into the bucket's fp32 accumulator [N].
+- ACCUMULATING: micro-batch gradients are put into the bucket's window gradients [N]
+  (`buffers.Bucket.receive_grad`).
 - gradients EXCHANGING: the reduce-scatter (plain, or the two quantized all-to-alls) is in flight;
-  the accumulator must not be written.
+  it took the window gradients, so a gradient arriving now has nowhere to go (an error).
 - REDUCED: this rank's gradient shard [S] holds the averaged gradient; the optimizer may step.
 - weights EXCHANGING: the all-gather of the updated shards is in flight; the model weights [N]
   must be neither read nor written until it completes.
@@ -42,7 +43,7 @@ __all__ = ["BucketSchedule", "GradPhase", "WeightPhase"]
 
 
 class GradPhase(str, Enum):
-    ACCUMULATING = "accumulating"  # gradients are being summed into the accumulator
+    ACCUMULATING = "accumulating"  # gradients are being put into the window gradients
     EXCHANGING = "exchanging"  # the reduce-scatter is in flight
     REDUCED = "reduced"  # the gradient shard is final for this step
 

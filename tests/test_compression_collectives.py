@@ -57,9 +57,8 @@ def _two_level_grid(rank, world, ranks_per_node, grid):
         )
         bucket = make_bucket(world, rank, 1000, alignment=group)
         grads = _grads(world, bucket.layout.numel, step)
-        bucket.grad_accumulator.copy_(grads[rank])
         collective = TwoLevelGradReduceScatter(config, topology, groups, WireMeter(), rank)
-        pending = collective.start(bucket, step)
+        pending = collective.start(bucket, grads[rank].clone(), 1.0, step)
         pending.progress()
         pending.wait()
         expected = simulate_two_level_reduce_scatter(

@@ -79,6 +79,8 @@ def _bad_calls():
         ("grad", lambda: genc(MASTER, 3, 1, 32, 8, 128, "nearest", 0)),
         ("outer", lambda: genc(MASTER, 0, 2, 32, 8, 128, "nearest", 0)),
         ("chunks", lambda: genc(MASTER, 1, 2.0, 32, 8, 128, "nearest", 0)),
+        ("scale", lambda: genc(MASTER, 1, 2, 32, 8, 128, "nearest", 0, 0.0)),
+        ("scale", lambda: genc(MASTER, 1, 2, 32, 8, 128, "nearest", 0, float("nan"))),
         ("in_bits", lambda: req(PAYLOAD8, 5, 4, 128, 1, "nearest", 0)),
         ("out_bits", lambda: req(PAYLOAD8, 8, 1, 128, 1, "nearest", 0)),
         ("outer", lambda: req(PAYLOAD8, 8, 4, 128, 3, "nearest", 0)),

@@ -112,6 +112,18 @@ def test_grad_encode_matches_reference(bits, group_size, hadamard_size, outer, c
     assert torch.equal(kernels.grad_encode(grad, *args), _spec(reference.torch_grad_encode, grad, *args))
 
 
+@pytest.mark.parametrize("scale", [1 / 8, 1 / 3, 1 / 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_encode_folds_the_average_in_as_the_reference_does(scale, dtype):
+    """The 1/world of the average, taken inside the kernel, gives the reference's bytes (which are
+    those of the gradient multiplied in fp32 first, as the engine once did in a separate pass)."""
+    grad = _gradient_like(2 * 3 * 384, 6, dtype)
+    args = (2, 3, 32, 8, 128, "nearest", 0)
+    expected = _spec(reference.torch_grad_encode, grad, *args, scale)
+    assert torch.equal(kernels.grad_encode(grad, *args, scale), expected)
+    assert torch.equal(expected, _spec(reference.torch_grad_encode, grad.float() * scale, *args))
+
+
 # (in_bits, out_bits, group_size, peers P, outer, shard numel S)
 REQUANTIZE_CASES = [
     (8, 4, 128, 4, 2, 256),  # the paper's stage 2

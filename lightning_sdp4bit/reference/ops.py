@@ -154,16 +154,18 @@ def torch_grad_encode(
     group_size: int,
     rounding: Rounding | str,
     seed: int,
+    scale: float = 1.0,
 ) -> Tensor:
     """Gradient stage 1: rotate, quantize and lay out a bucket's gradient in destination order.
 
-    grad: fp32 or bf16 [N] with N = outer * chunks * S. The bucket is viewed as [outer, chunks, S]
+    grad: fp32 or bf16 [N] with N = outer * chunks * S, multiplied by `scale` in fp32 first (the
+    engine's 1/world). The bucket is viewed as [outer, chunks, S]
     and chunk c of the result holds grad[:, c, :] (outer*S elements), so that all-to-all chunk c
     goes to peer c. Two-level: outer = nodes M, chunks = ranks per node L; one rank per node:
     outer = 1, chunks = M. The Hadamard blocks never straddle S, so rotating first is the same as
     rotating each chunk. Returns the payload [chunks, row_bytes(outer*S)].
     """
-    x = grad.float()
+    x = grad.float() * scale if scale != 1.0 else grad.float()
     if hadamard_size:
         x = blockwise_hadamard(x, hadamard_size)
     shard = x.numel() // (outer * chunks)

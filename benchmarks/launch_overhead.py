@@ -1,0 +1,118 @@
+"""Host time per call of the five compression ops on one CUDA GPU: what the engine pays per
+bucket and step before the GPU sees any work.
+
+    python benchmarks/launch_overhead.py [--numel 1048576] [--calls 300] [--markdown out.md]
+
+Each op runs `--calls` times back to back on a small bucket (1 Mi elements by default, a few
+microseconds of GPU time), so the loop is bound by the host: wall time / calls is the host's
+time per call. Three ways in:
+- "custom op": `torch.ops.sdp4bit.<op>`, the dispatcher's way (what torch.compile's graphs call);
+- "wrapper": `lightning_sdp4bit.kernels.<op>`, the argument checks plus the Triton launcher (in
+  eager mode the wrapper skips the dispatcher, see `kernels._common.eager`);
+- "launcher": the launch function alone, no checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from lightning_sdp4bit import kernels
+from lightning_sdp4bit.kernels import grad_encode as grad_encode_module
+from lightning_sdp4bit.kernels import grad_reduce, weight_update
+
+
+def _calls(numel: int) -> dict[str, tuple]:
+    """op -> (custom op, wrapper, launcher, arguments of the custom op and launcher, of the wrapper)."""
+    device = "cuda"
+    master = torch.randn(numel, device=device)
+    weights = master.bfloat16()
+    grad = torch.randn(8 * numel, device=device, dtype=torch.bfloat16)
+    weight_payload = kernels.weight_update_encode(master, weights, 4, 2048, "stochastic", 1)
+    gathered = weight_payload.repeat(8, 1)
+    full = torch.empty(8 * numel, device=device, dtype=torch.bfloat16)
+    intra = kernels.grad_encode(grad, 2, 4, 32, 8, 128, "stochastic", 1, 0.125)
+    inter = kernels.grad_requantize(intra, 8, 4, 128, 2, "stochastic", 1)
+    shard = torch.empty(numel, device=device)
+    ops = torch.ops.sdp4bit
+    return {
+        "weight_update_encode": (
+            ops.weight_update_encode,
+            kernels.weight_update_encode,
+            weight_update._weight_update_encode,
+            (master, weights, 4, 2048, "stochastic", 1),
+            (master, weights, 4, 2048, "stochastic", 1),
+        ),
+        "weight_update_apply": (
+            ops.weight_update_apply,
+            kernels.weight_update_apply,
+            weight_update._weight_update_apply,
+            (gathered, full, 4, 2048, True),
+            (gathered, full, 4, 2048, True),
+        ),
+        "grad_encode": (
+            ops.grad_encode,
+            kernels.grad_encode,
+            grad_encode_module._grad_encode,
+            (grad, 2, 4, 32, 8, 128, "stochastic", 1, 0.125),
+            (grad, 2, 4, 32, 8, 128, "stochastic", 1, 0.125),
+        ),
+        "grad_requantize": (
+            ops.grad_requantize,
+            kernels.grad_requantize,
+            grad_reduce._grad_requantize,
+            (intra, 8, 4, 128, 2, "stochastic", 1),
+            (intra, 8, 4, 128, 2, "stochastic", 1),
+        ),
+        "grad_decode_sum": (
+            ops.grad_decode_sum,
+            kernels.grad_decode_sum,
+            grad_reduce._grad_decode_sum,
+            (inter, 4, 128, 32, shard),
+            (inter, 4, 128, 32, shard),
+        ),
+    }
+
+
+def _host_us(fn, args, calls: int) -> float:
+    for _ in range(10):
+        fn(*args)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=1 << 20, help="elements of a shard (the bucket is 8x)")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--markdown", help="also write the table to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("launch_overhead.py needs a CUDA GPU: it measures the host time of kernel launches")
+    lines = [
+        f"Host time per call (us), {args.calls} calls of each op on a {args.numel:,}-element shard "
+        f"(grad ops: a bucket of 8 shards, 2 nodes x 4), {torch.cuda.get_device_name()}, torch {torch.__version__}.",
+        "",
+        "| op | custom op | wrapper (eager) | launcher only |",
+        "|---|---|---|---|",
+    ]
+    for name, (op, wrapper, launcher, launch_args, wrapper_args) in _calls(args.numel).items():
+        figures = [_host_us(fn, a, args.calls) for fn, a in ((op, launch_args), (wrapper, wrapper_args))]
+        figures.append(_host_us(launcher, launch_args, args.calls))
+        lines.append(f"| {name} | " + " | ".join(f"{us:.1f}" for us in figures) + " |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
