@@ -15,13 +15,17 @@ time per call. Three ways in:
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 
 import torch
 
 from lightning_sdp4bit import kernels
-from lightning_sdp4bit.kernels import grad_encode as grad_encode_module
-from lightning_sdp4bit.kernels import grad_reduce, weight_update
+
+# The modules, not the functions of the same names that the package exports.
+grad_encode_module = importlib.import_module("lightning_sdp4bit.kernels.grad_encode")
+grad_reduce = importlib.import_module("lightning_sdp4bit.kernels.grad_reduce")
+weight_update = importlib.import_module("lightning_sdp4bit.kernels.weight_update")
 
 
 def _calls(numel: int) -> dict[str, tuple]:

@@ -115,18 +115,35 @@ class TwoLevelGradReduceScatter:
     """TLq(-HS): quantized all-to-all inside the node, then across nodes (see SDP4BIT.md).
 
     Stage 1 (scale by 1/world + rotate + quantize to grad_intra_bits + destination layout, one
-    kernel reading the window gradients) runs at `start` and the
-    intra-node all-to-all is launched; once it has completed, `progress` (or `wait`) runs stage 2 (dequantize + sum +
-    re-quantize to grad_inter_bits) and launches the inter-node all-to-all; `wait` runs stage 3
-    (dequantize + sum + inverse Hadamard) into the gradient shard. With one node only the intra
-    stage runs, with one rank per node only the inter stage (at grad_inter_bits).
+    kernel reading the window gradients) runs at `start` and the intra-node all-to-all is
+    launched. Stage 2 (dequantize + sum + re-quantize to grad_inter_bits, then the inter-node
+    all-to-all) follows it:
+    - with a `stream` (CUDA), queued at `start` on that stream, behind a device-side wait for the
+      intra all-to-all: it runs as soon as the data lands, with neither the host nor the compute
+      stream waiting. (Driven from the host, it could only start once the host found the intra
+      stage complete, and on a GPU the host is far ahead: it ran after backward's last kernel,
+      8 ms of a 356M step at 100 Gb/s; see benchmarks/results/emulated_network_h200_*.md.)
+    - without one (the CPU, where a wait blocks the host), when `progress` finds the intra stage
+      complete, or at `wait`.
+    `wait` runs stage 3 (dequantize + sum + inverse Hadamard) into the gradient shard, on the
+    caller's stream. With one node only the intra stage runs, with one rank per node only the
+    inter stage (at grad_inter_bits).
     """
 
-    def __init__(self, config: SDP4BitConfig, topology: Topology, groups: ProcessGroups, meter: WireMeter, rank: int):
+    def __init__(
+        self,
+        config: SDP4BitConfig,
+        topology: Topology,
+        groups: ProcessGroups,
+        meter: WireMeter,
+        rank: int,
+        stream: torch.cuda.Stream | None = None,
+    ):
         if topology.world_size == 1:
             raise ValueError("the two-level reduce-scatter needs at least two ranks")
         self.config, self.topology, self.groups, self.meter = config, topology, groups, meter
         self.seeds = _Seeds(config, rank)
+        self.stream = stream
 
     def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
         return _TwoLevelExchange(self, bucket, grads, scale, step)
@@ -151,9 +168,13 @@ class _TwoLevelExchange:
         self._sent = payload  # kept alive until the exchange completes
         kind = "grad_intra" if intra else "grad_inter"
         owner.meter.record(kind, payload.nbytes, grads.numel(), 4 * grads.numel())  # vs fp32
+        self._on_stream = self._needs_second_stage and owner.stream is not None
+        if self._on_stream:
+            with torch.cuda.stream(owner.stream):
+                self._second_stage()
 
     def progress(self) -> None:
-        """Run stage 2 if the intra-node all-to-all has completed; never blocks."""
+        """Run stage 2 (host-driven) if the intra-node all-to-all has completed; never blocks."""
         if self._needs_second_stage and self._work.is_completed():
             self._second_stage()
 
@@ -171,6 +192,11 @@ class _TwoLevelExchange:
             config.rounding,
             seed,
         )
+        if self._on_stream:
+            # Made on the compute stream, last used on this one (and on the network's, which this
+            # one has waited for): the allocator must not hand them out before this stream is done.
+            self._received.record_stream(owner.stream)
+            self._sent.record_stream(owner.stream)
         # The first receive buffer is no longer needed: only the new payload and its receive
         # buffer stay alive.
         self._received = torch.empty_like(payload)
@@ -185,6 +211,12 @@ class _TwoLevelExchange:
         if self._work is None:
             return
         self._work.wait()
+        if self._on_stream:
+            # Made on the side stream; the caller's stream is now the one that waited for the
+            # network, and it reads the received chunks below.
+            current = torch.cuda.current_stream()
+            self._received.record_stream(current)
+            self._sent.record_stream(current)
         self._work = self._sent = None
         config = self._owner.config
         ops.grad_decode_sum(
@@ -254,11 +286,16 @@ def _compresses(bucket: Bucket, config: SDP4BitConfig, topology: Topology) -> bo
 
 
 def grad_collective_for(
-    bucket: Bucket, config: SDP4BitConfig, topology: Topology, groups: ProcessGroups, meter: WireMeter
+    bucket: Bucket,
+    config: SDP4BitConfig,
+    topology: Topology,
+    groups: ProcessGroups,
+    meter: WireMeter,
+    stream: torch.cuda.Stream | None = None,
 ) -> GradReduceScatter:
-    """The gradient exchange `config` asks for this bucket."""
+    """The gradient exchange `config` asks for this bucket (`stream`: see TwoLevelGradReduceScatter)."""
     if config.compresses_grads and _compresses(bucket, config, topology):
-        return TwoLevelGradReduceScatter(config, topology, groups, meter, topology.rank)
+        return TwoLevelGradReduceScatter(config, topology, groups, meter, topology.rank, stream)
     return PlainGradReduceScatter(groups, meter)
 
 

@@ -40,7 +40,7 @@ from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, auto_bucket_numel
 from lightning_sdp4bit.guards import NonFiniteGradientError, StepVerdict, decide_step, global_squares
 from lightning_sdp4bit.module_hooks import register_hooks
 from lightning_sdp4bit.optim import shard_optimizer
-from lightning_sdp4bit.schedule import BucketSchedule, GradPhase
+from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, exchange_stream
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
@@ -113,7 +113,10 @@ class ShardedEngine:
         self.trained_names = [slot.name for b in self.buckets for slot in b.layout.slots]
         self.fragments_by_name: dict[str, list[MasterFragment]] = self._make_fragments()
         self.optimizer_param_names: list[list[list[str]]] = []  # per re-pointed optimizer, per group
-        self.grad_collectives = [grad_collective_for(b, config, topology, groups, self.meter) for b in self.buckets]
+        stream = exchange_stream(named[0][1].device)
+        self.grad_collectives = [
+            grad_collective_for(b, config, topology, groups, self.meter, stream) for b in self.buckets
+        ]
         self.weight_collectives = [weight_collective_for(b, config, topology, groups, self.meter) for b in self.buckets]
         self.schedule = BucketSchedule(
             len(self.buckets),

@@ -37,9 +37,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from enum import Enum
 
+import torch
+
 from lightning_sdp4bit.collectives import Pending
 
-__all__ = ["BucketSchedule", "GradPhase", "WeightPhase"]
+__all__ = ["BucketSchedule", "GradPhase", "WeightPhase", "exchange_stream"]
+
+
+def exchange_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The one side stream of an engine on a GPU (None elsewhere): the middle stage of every
+    two-level gradient exchange is queued there, ordered by the network's completion events
+    rather than by the host (`collectives.TwoLevelGradReduceScatter`). The compute stream
+    waits on it only where the gradient shard is needed: in `finish_grads`."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 class GradPhase(str, Enum):

@@ -12,7 +12,9 @@ Checks:
 - bad arguments stop the script with a message that names the flag;
 - the dry run (tiny GPT, CPU) prints a table per scenario, with every row, Lightning's
   per-batch broadcast routed through the emulated world link, and writes the same text to
-  --markdown. Its figures are not timings and nothing here asserts on them.
+  --markdown. Its figures are not timings and nothing here asserts on them;
+- on a GPU, the middle stage of two-level exchanges queued on the engine's exchange stream gives
+  the host-driven exchange's gradient shards bit for bit, with several exchanges in flight.
 """
 
 import subprocess
@@ -24,6 +26,12 @@ import torch
 import torch.distributed as dist
 
 import lightning_sdp4bit.comm as comm
+from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
+from lightning_sdp4bit.collectives import TwoLevelGradReduceScatter
+from lightning_sdp4bit.config import SDP4BitConfig
+from lightning_sdp4bit.engine import shard_alignment
+from lightning_sdp4bit.schedule import exchange_stream
+from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -150,3 +158,37 @@ def test_dry_run_prints_every_table(tmp_path):
         assert "nan" not in table and "inf" not in table
         assert "Trainer + sdp4bit: 1.0 Lightning collectives per step" in table  # the SIGTERM broadcast
     assert out.read_text() == text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: the exchange stream exists on CUDA only")
+def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards():
+    """Four buckets' two-level exchanges in flight at once over slow emulated links (each stage
+    waits on the GPU for its bytes), behind long matmuls on the compute stream and with the
+    allocator reusing memory: with the middle stage queued on the exchange stream, every
+    gradient shard equals the one the host-driven exchange gives, bit for bit."""
+    device = torch.device("cuda")
+    topology = Topology(0, 8, 4)
+    network = Network(device, topology)
+    network.set_rates(1.0, 0.5)  # GB/s: about a millisecond per stage
+    config = SDP4BitConfig(rounding="nearest")
+    params = {f"p{i}": torch.nn.Parameter(torch.zeros(8 * 4096, dtype=torch.bfloat16, device=device)) for i in range(4)}
+    layouts = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in params.items()], 8, 1, shard_alignment(config))
+    buckets = allocate_buckets(layouts, params, 0)
+    generator = torch.Generator(device).manual_seed(0)
+    grads = [torch.randn(b.layout.numel, generator=generator, device=device).bfloat16() for b in buckets]
+    shards = {}
+    with network.install():
+        for stream in (None, exchange_stream(device)):
+            collective = TwoLevelGradReduceScatter(config, topology, network.groups(), WireMeter(), 0, stream)
+            pending = []
+            for step, (bucket, grad) in enumerate(zip(buckets, grads, strict=True)):
+                busy = torch.randn(2048, 2048, device=device)
+                for _ in range(8):
+                    busy = busy @ busy / 2048
+                pending.append(collective.start(bucket, grad.clone(), 1 / 8, step))
+                del busy
+            for exchange in pending:
+                exchange.wait()
+            shards[stream is None] = [bucket.grad_shard.clone() for bucket in buckets]
+    for host_driven, on_stream in zip(shards[True], shards[False], strict=True):
+        assert torch.equal(host_driven.view(torch.int32), on_stream.view(torch.int32))
