@@ -8,7 +8,7 @@
 
 `start` launches the communication asynchronously and returns a `Pending`; `Pending.progress()`
 moves a multi-stage exchange to its next stage if the current one has completed (it never
-blocks), and `Pending.wait()` completes it. The engine
+blocks; False while it still waits for its current stage), and `Pending.wait()` completes it. The engine
 only sees this interface, so the uncompressed and the compressed variants are interchangeable
 and each can be tested on its own. All compute goes through `lightning_sdp4bit.ops` (Triton on
 CUDA, the reference elsewhere) and all communication through `lightning_sdp4bit.comm`.
@@ -56,7 +56,7 @@ class Stage(IntEnum):
 
 
 class Pending(Protocol):
-    def progress(self) -> None: ...
+    def progress(self) -> bool: ...
 
     def wait(self) -> None: ...
 
@@ -75,8 +75,8 @@ class _Single:
     def __init__(self, work: Any, finish: Callable[[], None] | None = None, keepalive: Any = None):
         self._work, self._finish, self._keepalive = work, finish, keepalive
 
-    def progress(self) -> None:
-        pass
+    def progress(self) -> bool:
+        return True
 
     def wait(self) -> None:
         if self._work is not None:
@@ -173,10 +173,14 @@ class _TwoLevelExchange:
             with torch.cuda.stream(owner.stream):
                 self._second_stage()
 
-    def progress(self) -> None:
-        """Run stage 2 (host-driven) if the intra-node all-to-all has completed; never blocks."""
-        if self._needs_second_stage and self._work.is_completed():
+    def progress(self) -> bool:
+        """Run stage 2 (host-driven) if the intra-node all-to-all has completed; never blocks.
+        False while stage 2 still waits for it."""
+        if self._needs_second_stage:
+            if not self._work.is_completed():
+                return False
             self._second_stage()
+        return True
 
     def _second_stage(self) -> None:
         self._needs_second_stage = False

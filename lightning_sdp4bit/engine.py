@@ -371,16 +371,17 @@ class ShardedEngine:
         masters, element by element, so that the next step starts from them. Local: each rank
         takes in its own shard; unedited elements keep their fp32 masters.
 
-        One pass over this rank's shards ([S] per bucket: the weight and applied shards, the
-        master), with no host synchronisation: cheaper on a GPU than asking whether anything
-        changed.
+        Two kernels per bucket over this rank's shards ([S]: compare the weight and applied
+        shards, select into the master, the weights widened as they are read), with no host
+        synchronisation: cheaper on a GPU than asking whether anything changed. The applied
+        shard is left as it is: the next exchange's landing renews it, and until then taking
+        the same edits in again changes nothing.
         """
         self.wait_weights()
         with torch.no_grad():
             for bucket in self.buckets:
                 edited = bucket.weight_shard != bucket.applied_shard
-                torch.where(edited, bucket.weight_shard.float(), bucket.master, out=bucket.master)
-                bucket.applied_shard.copy_(bucket.weight_shard)
+                torch.where(edited, bucket.weight_shard, bucket.master, out=bucket.master)
 
     def _start_weight_exchange(self, index: int) -> Pending:
         with torch.no_grad():

@@ -19,7 +19,9 @@ on communication. Its rules:
 - gradient exchanges start strictly in bucket order (0, 1, ...), so every rank issues the same
   collectives in the same order whatever its backward order;
 - a multi-stage exchange moves to its next stage only when its current stage has completed
-  (`Work.is_completed()`), so polling never blocks the caller (nor, on CUDA, its stream);
+  (`Work.is_completed()`), so polling never blocks the caller (nor, on CUDA, its stream), and
+  only after every earlier bucket's has moved on: each group's collectives then go out in
+  bucket order on every rank, whichever stage completes first where;
 - weight exchanges go out in reverse bucket order (the first layers, which forward needs
   first, are in the last bucket). With `weight_prefetch = k`, `start_weights` only marks them
   due and starts the first k; each wait then starts the due ones up to k past the bucket it
@@ -119,9 +121,14 @@ class BucketSchedule:
         self._next_launch = index + 1
 
     def poll(self) -> None:
-        """Move every in-flight multi-stage exchange on whose current stage has completed."""
-        for pending in self._grads.values():
-            pending.progress()
+        """Move in-flight multi-stage exchanges on, in bucket order, up to the first whose current
+        stage has not completed. In order, because the next stage is a collective on another
+        group: a later bucket's first stage may complete first on one rank and not on another
+        (gloo runs its work on several threads), and ranks that launched the second stages in
+        different orders would pair different buckets' payloads of one size without an error."""
+        for index in sorted(self._grads):
+            if not self._grads[index].progress():
+                break
 
     def finish_grads(self) -> None:
         """Launch what is left (in order), then wait for every gradient exchange: REDUCED."""

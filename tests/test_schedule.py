@@ -1,6 +1,7 @@
 """The life of a bucket (lightning_sdp4bit.schedule), with fake exchanges:
 - gradient exchanges start strictly in bucket order, whatever order buckets become ready in;
-- polling moves a two-stage exchange on only once its stage has completed, never waiting;
+- polling moves a two-stage exchange on only once its stage has completed, never waiting, and
+  second stages go out in bucket order whichever first stage completes first;
 - weight exchanges go out last bucket first; with a prefetch of k only k start at once, and a
   wait starts the due ones up to k past the bucket it waits for; without, all start at once;
 - landed weights are reported once per bucket, and a new window needs the exchanges finished.
@@ -17,9 +18,9 @@ class FakeExchange:
         log.append(("start", name))
 
     def progress(self):
-        if self.stage_done:
+        if self.stage_done and ("stage2", self.name) not in self.log:
             self.log.append(("stage2", self.name))
-            self.stage_done = False
+        return ("stage2", self.name) in self.log
 
     def wait(self):
         self.log.append(("wait", self.name))
@@ -59,6 +60,19 @@ def test_gradient_exchanges_start_in_order_and_poll_without_waiting():
     assert schedule.grads_reduced and ("start", ("grad", 2)) in log
     schedule.restart_grads()
     assert schedule.grad_phase == [GradPhase.ACCUMULATING] * 3
+
+
+def test_second_stages_go_out_in_bucket_order_whichever_first_stage_completes_first():
+    """A later bucket's first stage completing first (gloo's threads, a faster peer) must not
+    reorder the second stages: on the other ranks they would be paired with another bucket's."""
+    schedule, log, _, exchanges = _schedule(3)
+    schedule.launch_ready(lambda i: i < 3)
+    exchanges[("grad", 1)].stage_done = exchanges[("grad", 2)].stage_done = True
+    schedule.poll()
+    assert not any(entry[0] == "stage2" for entry in log)  # bucket 0 has not moved on yet
+    exchanges[("grad", 0)].stage_done = True
+    schedule.poll()
+    assert [entry for entry in log if entry[0] == "stage2"] == [("stage2", ("grad", i)) for i in range(3)]
 
 
 @pytest.mark.parametrize("prefetch", [None, 1, 2])
