@@ -7,7 +7,8 @@ Checked:
   weights equal a single-host run of 4 processes with ranks_per_node=2 bit for bit;
 - 3 hosts x 1 process (an odd node count: the inter-node stage only) trains, identical replicas;
 - losing a host (SIGKILL of its agent and workers) makes every rank left, on each other host,
-  exit non-zero, well inside the timeout, with an error that names the broken connection;
+  exit non-zero, well inside the timeout, with an error that names the broken connection and
+  the global rank at its far end;
 - a sharded checkpoint saved on 2 hosts x 2 resumes on 1 host x 2 with the same masters and weights.
 
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`/`tc`).
@@ -21,13 +22,14 @@ rank's result after step 2, and then loses its third host.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from cluster import Cluster, unavailable_reason
+from cluster import SUBNET, Cluster, unavailable_reason
 from distributed import run_workers
 from lightning_runs import make_trainer, sdp4bit, weights
 from models import TinyLMModule
@@ -149,6 +151,10 @@ def test_losing_a_host_fails_every_other_rank_quickly(three_by_one_losing_a_host
         # torchrun's summary lists the failed worker of this host with its global rank.
         assert f"rank      : {host} (local_rank: 0)" in log, log
         assert any(s in log for s in ("Connection closed by peer", "Connection reset by peer", "10.231.0.3")), log
+        # The strategy names the ranks at the broken connection's far end (usually host 2's rank
+        # 2; a survivor that fails later may see the first survivor's connection break instead).
+        note = rf"sdp4bit \(rank {host}\): the broken connection led to {SUBNET}\.\d, the host of global rank \d"
+        assert re.search(note, log), log
 
 
 def _resume_on_one_host(rank: int, world: int, path: str) -> dict:
