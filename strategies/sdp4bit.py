@@ -32,7 +32,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_sdp4bit.strategies import common
+from lightning_sdp4bit.strategies import common, peers
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
 from lightning_sdp4bit.strategies.common import SUPPORTED_PRECISIONS
 from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
@@ -139,6 +139,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         self._process_group_backend = common.connect(
             self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
         )
+        # Every rank's address, so that a connection error names the lost peer (on_exception).
+        self._peer_addresses = peers.gather_addresses() if self.world_size > 1 else []
 
     def set_world_ranks(self) -> None:
         common.set_world_ranks(self)
@@ -279,6 +281,11 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
 
     def on_train_end(self) -> None:
         self._wait_weights()
+
+    def on_exception(self, exception: BaseException) -> None:
+        note = peers.lost_peer_note(exception, getattr(self, "_peer_addresses", []), self.global_rank)
+        if note and exception.args:
+            exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
 
     def teardown(self) -> None:
         # The engine stays (closed: no hooks, nothing in flight) so that trainer.save_checkpoint

@@ -4,8 +4,11 @@
 
 Options (JSON, all optional): "steps" (optimizer steps, default 4), "config" (SDP4BitConfig dict),
 "timeout_s" (the strategy's collective timeout), "save" (a checkpoint path written after fit),
-"progress" (a directory: rank r touches step_<r> after each optimizer step). Each rank saves
-{"weights", "comm_stats", "masters", "world", "local_world"} through cluster.save_result.
+"progress" (a directory: rank r writes its global step to step_<r> after each optimizer step),
+"result_at_step" (save the result after that optimizer step, from a hook, and train on: a run
+that is stopped from outside still leaves its results). Each rank saves {"weights",
+"comm_stats", "masters", "world", "local_world"} through cluster.save_result, after fit unless
+"result_at_step" is given.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ def main(options: dict) -> None:
 
     torch.set_num_threads(1)
     progress = options.get("progress")
+    result_at_step = options.get("result_at_step")
 
     class Progress(Callback):
         def on_train_batch_end(self, trainer, *args) -> None:
+            # A hook completes the weight exchange first, so the weights saved here are complete.
+            if trainer.global_step == result_at_step:
+                _save(module, strategy, trainer.world_size)
             if progress:
                 Path(progress, f"step_{trainer.global_rank}").write_text(str(trainer.global_step))
 
@@ -57,6 +64,12 @@ def main(options: dict) -> None:
     trainer.fit(module)
     if options.get("save"):
         trainer.save_checkpoint(options["save"])
+    if result_at_step is None:
+        _save(module, strategy, trainer.world_size)
+    torch.distributed.destroy_process_group()
+
+
+def _save(module, strategy, world: int) -> None:
     masters = {}
     for records in strategy.engine.fragments_by_name.values():
         for record in records:
@@ -66,11 +79,10 @@ def main(options: dict) -> None:
             "weights": {n: p.detach().float().clone() for n, p in module.model.named_parameters()},
             "comm_stats": dict(strategy.comm_stats),
             "masters": masters,
-            "world": trainer.world_size,
+            "world": world,
             "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
         }
     )
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

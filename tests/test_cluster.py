@@ -6,22 +6,30 @@ Checked:
   exchange run (8.25 and 4.25 bits per element), the replicas are bit-identical, and the final
   weights equal a single-host run of 4 processes with ranks_per_node=2 bit for bit;
 - 3 hosts x 1 process (an odd node count: the inter-node stage only) trains, identical replicas;
-- losing a host (SIGKILL of its agent and workers) makes every rank left exit non-zero, well
-  inside the timeout, with an error that names the broken connection;
+- losing a host (SIGKILL of its agent and workers) makes every rank left, on each other host,
+  exit non-zero, well inside the timeout, with an error that names the broken connection and
+  the global rank at its far end;
 - a sharded checkpoint saved on 2 hosts x 2 resumes on 1 host x 2 with the same masters and weights.
 
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`/`tc`).
+
+Most of the cost is starting processes (importing Lightning takes about 7 s of CPU each, on 2
+cores), so the runs are shared: one 2 x 2 run serves the parity and the checkpoint tests, and
+the single-host run it is compared with starts beside it; one 3 x 1 run trains, saves every
+rank's result after step 2, and then loses its third host.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from cluster import Cluster, unavailable_reason
+from cluster import SUBNET, Cluster, unavailable_reason
 from distributed import run_workers
 from lightning_runs import make_trainer, sdp4bit, weights
 from models import TinyLMModule
@@ -59,10 +67,20 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory) -> tuple[dict[int, dict], str]:
+def two_by_two(tmp_path_factory) -> tuple[dict[int, dict], str, dict]:
+    """The 2 x 2 run's results, its checkpoint, and rank 0's weights from the single-host
+    `devices=4, ranks_per_node=2` run, which trains in a thread meanwhile."""
     directory = tmp_path_factory.mktemp("two_by_two")
     path = str(directory / "cluster.ckpt")
-    return _train(directory, hosts=2, nproc=2, options={"steps": STEPS, "save": path, "module": MODULE}), path
+    single_host: list = []
+    thread = threading.Thread(target=lambda: single_host.append(run_workers(_single_host_virtual_nodes, 4)[0]))
+    thread.start()
+    try:
+        results = _train(directory, hosts=2, nproc=2, options={"steps": STEPS, "save": path, "module": MODULE})
+    finally:
+        thread.join()
+    assert single_host, "the single-host run failed (its error is printed above)"
+    return results, path, single_host[0]
 
 
 def _single_host_virtual_nodes(rank: int, world: int) -> dict:
@@ -72,7 +90,7 @@ def _single_host_virtual_nodes(rank: int, world: int) -> dict:
 
 
 def test_two_hosts_of_two_run_both_stages_and_equal_the_single_host_run(two_by_two):
-    results, _ = two_by_two
+    results, _, single_host = two_by_two
     for result in results.values():
         assert result["local_world"] == 2 and result["world"] == 4
         stats = result["comm_stats"]
@@ -80,14 +98,42 @@ def test_two_hosts_of_two_run_both_stages_and_equal_the_single_host_run(two_by_t
         assert stats["grad_inter_bits_per_element"] == 4.25
         assert stats["weight_bits_per_element"] == 4 + 32 / 2048
     _assert_replicas_identical(results)
-    single_host = run_workers(_single_host_virtual_nodes, 4)[0]
     for name, expected in single_host.items():
         assert torch.equal(results[0]["weights"][name], expected), name
 
 
-def test_three_hosts_of_one_train_with_identical_replicas(tmp_path):
-    results = _train(tmp_path, hosts=3, nproc=1, options={"steps": 2})
+@pytest.fixture(scope="module")
+def three_by_one_losing_a_host(tmp_path_factory) -> dict:
+    """3 hosts x 1 process: every rank saves its result after step 2 and trains on; once all
+    have, host 2 (its agent and worker) is SIGKILLed. The results, and how hosts 0 and 1 ended."""
+    directory = tmp_path_factory.mktemp("three_by_one")
+    progress = directory / "progress"
+    progress.mkdir()
+    options = {"steps": 100_000, "timeout_s": COLLECTIVE_TIMEOUT_S, "progress": str(progress), "result_at_step": 2}
+    with Cluster(hosts=3) as cluster:
+        run = cluster.torchrun(WORKER, [json.dumps(options)], nproc_per_node=1, result_dir=str(directory))
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        # Rank r writes step_r after saving its result: wait until every rank is past step 2.
+        while sorted(int(f.read_text() or 0) > 2 for f in progress.glob("step_*")) != [True] * 3:
+            assert time.monotonic() < deadline, run.log_text()
+            assert all(agent.poll() is None for agent in run.agents), run.log_text()
+            time.sleep(0.2)
+        killed = run.kill_host(2)
+        lost_at = time.monotonic()
+        codes, elapsed = [], []
+        for agent in run.agents[:2]:
+            codes.append(agent.wait(timeout=RUN_TIMEOUT_S))
+            elapsed.append(time.monotonic() - lost_at)
+        logs = [run.log(0), run.log(1)]
+        results = run.results()
+    return {"results": results, "killed": killed, "codes": codes, "elapsed": elapsed, "logs": logs}
+
+
+def test_three_hosts_of_one_train_with_identical_replicas(three_by_one_losing_a_host):
+    results = three_by_one_losing_a_host["results"]
+    assert sorted(results) == [0, 1, 2]
     for result in results.values():
+        assert result["world"] == 3 and result["local_world"] == 1
         stats = result["comm_stats"]
         assert stats["grad_intra_bytes"] == 0  # one rank per node: no intra-node stage
         assert stats["grad_inter_bits_per_element"] == 4.25
@@ -96,29 +142,19 @@ def test_three_hosts_of_one_train_with_identical_replicas(tmp_path):
     assert any(not torch.equal(results[0]["weights"][n], w) for n, w in initial.items())  # it trained
 
 
-def test_losing_a_host_fails_every_other_rank_quickly(tmp_path):
-    progress = tmp_path / "progress"
-    progress.mkdir()
-    options = {"steps": 100_000, "timeout_s": COLLECTIVE_TIMEOUT_S, "progress": str(progress)}
-    with Cluster(hosts=2) as cluster:
-        run = cluster.torchrun(WORKER, [json.dumps(options)], nproc_per_node=2, result_dir=str(tmp_path))
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while len(list(progress.glob("step_*"))) < 4:  # every rank has finished an optimizer step
-            assert time.monotonic() < deadline, run.log_text()
-            assert all(agent.poll() is None for agent in run.agents), run.log_text()
-            time.sleep(0.2)
-        killed = run.kill_host(1)
-        lost_at = time.monotonic()
-        assert len(killed) >= 3  # the agent and its two workers
-        code = run.agents[0].wait(timeout=RUN_TIMEOUT_S)
-        elapsed = time.monotonic() - lost_at
-        log = run.log(0)
-    assert code != 0, log
-    assert elapsed < 4 * COLLECTIVE_TIMEOUT_S, (elapsed, log)
-    # torchrun's summary lists each failed worker of host 0 with its global rank.
-    for rank in (0, 1):
-        assert f"rank      : {rank} (local_rank: {rank})" in log, log
-    assert any(s in log for s in ("Connection closed by peer", "Connection reset by peer", "10.231.0.2")), log
+def test_losing_a_host_fails_every_other_rank_quickly(three_by_one_losing_a_host):
+    run = three_by_one_losing_a_host
+    assert len(run["killed"]) >= 2  # the agent and its worker
+    for host, (code, elapsed, log) in enumerate(zip(run["codes"], run["elapsed"], run["logs"], strict=True)):
+        assert code != 0, log
+        assert elapsed < 4 * COLLECTIVE_TIMEOUT_S, (elapsed, log)
+        # torchrun's summary lists the failed worker of this host with its global rank.
+        assert f"rank      : {host} (local_rank: 0)" in log, log
+        assert any(s in log for s in ("Connection closed by peer", "Connection reset by peer", "10.231.0.3")), log
+        # The strategy names the ranks at the broken connection's far end (usually host 2's rank
+        # 2; a survivor that fails later may see the first survivor's connection break instead).
+        note = rf"sdp4bit \(rank {host}\): the broken connection led to {SUBNET}\.\d, the host of global rank \d"
+        assert re.search(note, log), log
 
 
 def _resume_on_one_host(rank: int, world: int, path: str) -> dict:
@@ -149,7 +185,7 @@ def _full(pieces_per_rank: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def test_checkpoint_saved_on_two_hosts_resumes_on_one(two_by_two):
-    saved, path = two_by_two
+    saved, path, _ = two_by_two
     resumed = run_workers(_resume_on_one_host, 2, path)
     saved_masters = _full([r["masters"] for r in saved.values()])
     loaded_masters = _full([r["masters"] for r in resumed])

@@ -45,21 +45,36 @@ def blockwise_hadamard(x: Tensor, block: int) -> Tensor:
     check_power_of_two("block", block)
     if x.numel() % block:
         raise ValueError(f"x has {x.numel()} elements, not a multiple of the Hadamard block {block}")
-    # Stage s writes into buffer s % 2 with one add and one subtract and no temporaries (a stack
-    # of (a + b, a - b) would cost two more passes over the data). The input is never written.
     source = x.reshape(-1, block).float()
-    buffers = (torch.empty_like(source), torch.empty_like(source)) if block > 1 else ()
-    y = source
-    half, stage = 1, 0
-    while half < block:
-        pairs = y.view(-1, block // (2 * half), 2, half)
-        out = buffers[stage % 2].view(-1, block // (2 * half), 2, half)
-        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
-        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
-        y = buffers[stage % 2]
-        half, stage = 2 * half, stage + 1
-    scaled = y.mul_(hadamard_scale(block)) if y is not source else y * hadamard_scale(block)
-    return scaled.view(x.shape)
+    out = butterflies(source, block, torch.empty_like(source))
+    return out.mul_(hadamard_scale(block)).view(x.shape)
+
+
+def butterflies(source: Tensor, block: int, out: Tensor, spare: Tensor | None = None) -> Tensor:
+    """The butterfly stages of `blockwise_hadamard` without the final scale: fp32 `source`
+    [rows, block] into `out` (contiguous, same shape), which it returns.
+
+    The stages alternate between `out` and `spare` (allocated when None) so that the last one
+    writes `out`; `source` is read by the first stage only, so with an odd number of stages it
+    may itself be the spare (the caller's scratch, then overwritten). Each stage is one add and
+    one subtract over strided halves, with no temporaries. (Complex64 views of the halves would
+    loop faster, but torch adds complex numbers as a + alpha * b, which turns an infinity into
+    NaN: not the same bits.)
+    """
+    stages = block.bit_length() - 1
+    if stages == 0:
+        return out.copy_(source)
+    if spare is None:
+        spare = torch.empty_like(out)
+    y, half = source, 1
+    for stage in range(stages):
+        target = out if (stages - 1 - stage) % 2 == 0 else spare
+        shape = (-1, block // (2 * half), 2, half)
+        pairs, result = y.view(shape), target.view(shape)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=result[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=result[:, :, 1])
+        y, half = target, 2 * half
+    return out
 
 
 def inverse_blockwise_hadamard(x: Tensor, block: int) -> Tensor:

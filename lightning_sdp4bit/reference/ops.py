@@ -27,14 +27,8 @@ import torch
 from torch import Tensor
 
 from lightning_sdp4bit.config import Rounding, coerce_enum
-from lightning_sdp4bit.reference.hadamard import blockwise_hadamard, inverse_blockwise_hadamard
-from lightning_sdp4bit.reference.quantize import (
-    dequantize_groups,
-    pack_codes,
-    quantize_groups,
-    uniform_noise,
-    unpack_codes,
-)
+from lightning_sdp4bit.reference.hadamard import butterflies, hadamard_scale
+from lightning_sdp4bit.reference.quantize import pack_into, round_groups, uniform_noise, unpack_codes
 
 __all__ = [
     "decode_rows",
@@ -82,32 +76,56 @@ def encode_rows(x: Tensor, bits: int, group_size: int, rounding: Rounding | str,
 
     Stochastic noise is `uniform_noise(P * n, seed)` in x's row-major order.
     """
+    return _encode(x.float(), bits, group_size, rounding, seed, torch.empty(x.shape, device=x.device))
+
+
+def _encode(x: Tensor, bits: int, group_size: int, rounding: Rounding | str, seed: int, scratch: Tensor) -> Tensor:
+    """`encode_rows` of fp32 x [P, n], rounding into `scratch` (contiguous, x's shape; it may be x).
+
+    Codes go straight into the payload's slices: 8-bit codes are cast into it, narrower
+    ones packed into it."""
     rounding = coerce_enum("rounding", rounding, Rounding)
     rows, numel = x.shape
     row_bytes = payload_row_bytes(numel, bits, group_size)
-    noise = uniform_noise(x.numel(), seed, x.device) if rounding is Rounding.STOCHASTIC else None
-    codes, scales = quantize_groups(x.reshape(-1, group_size), bits, rounding, noise)
     code_bytes = numel * bits // 8
     payload = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
-    payload[:, :code_bytes] = pack_codes(codes, bits).view(rows, code_bytes)
-    payload[:, code_bytes:] = scales.view(rows, -1).contiguous().view(torch.uint8).view(rows, -1)
+    noise = uniform_noise(x.numel(), seed, x.device) if rounding is Rounding.STOCHASTIC else None
+    groups = x.reshape(-1, group_size)
+    codes, scales = round_groups(groups, bits, rounding, noise, out=scratch.view(groups.shape))
+    payload[:, code_bytes:].view(torch.float32).copy_(scales.view(rows, -1))
+    if bits == 8:
+        payload[:, :code_bytes].view(torch.int8).copy_(codes.view(rows, numel))
+    else:
+        pack_into(codes.to(torch.int8), bits, payload[:, :code_bytes])
     return payload
 
 
 def decode_rows(payload: Tensor, bits: int, group_size: int, numel: int) -> Tensor:
     """Dequantize a payload uint8 [P, row_bytes(numel)] into fp32 rows [P, numel]."""
-    rows = payload.shape[0]
+    out = torch.empty(payload.shape[0], numel, device=payload.device)
+    for row, values in zip(payload, out, strict=True):
+        _decode_row(row, bits, group_size, numel, out=values)
+    return out
+
+
+def _decode_row(row: Tensor, bits: int, group_size: int, numel: int, out: Tensor | None = None) -> Tensor:
+    """One payload row uint8 [row_bytes(numel)] into fp32 [numel] (into `out` if given)."""
     code_bytes = numel * bits // 8
-    codes = unpack_codes(payload[:, :code_bytes].contiguous(), bits, rows * numel)
-    scales = payload[:, code_bytes:].contiguous().view(torch.float32).reshape(-1)
-    return dequantize_groups(codes.view(-1, group_size), scales).view(rows, numel)
+    codes = unpack_codes(row[:code_bytes], bits, numel)
+    scales = row[code_bytes:].view(torch.float32)
+    values = torch.mul(
+        codes.view(-1, group_size), scales[:, None], out=None if out is None else out.view(-1, group_size)
+    )
+    return values.view(numel)
 
 
-def _sum_rows(rows: Tensor) -> Tensor:
-    """Sum [P, n] over P strictly in order 0, 1, ..., P-1 in fp32 (the kernels use this order)."""
-    total = rows[0].clone()
-    for row in rows[1:]:
-        total += row
+def _sum_rows(payload: Tensor, bits: int, group_size: int, numel: int) -> Tensor:
+    """Dequantize the rows of a payload [P, row_bytes(numel)] and sum them strictly in order
+    0, 1, ..., P-1 in fp32 (the kernels use this order): fp32 [numel]."""
+    total = _decode_row(payload[0], bits, group_size, numel)
+    values = torch.empty_like(total) if payload.shape[0] > 1 else None
+    for row in payload[1:]:
+        total += _decode_row(row, bits, group_size, numel, out=values)
     return total
 
 
@@ -126,10 +144,10 @@ def torch_weight_update_encode(
     quantizes fp32(master) itself. master: fp32 or bf16 [S]; weights: [S].
     """
     if weights is None:
-        target = master.float()
-    else:
-        target = master.to(weights.dtype).float() - weights.float()
-    return encode_rows(target.view(1, -1), bits, group_size, rounding, seed)
+        return encode_rows(master.view(1, -1), bits, group_size, rounding, seed)
+    # A fresh fp32 difference (the mixed-dtype sub computes fp32(a) - fp32(b)), rounded in place.
+    target = torch.sub(master.to(weights.dtype).float(), weights).view(1, -1)
+    return _encode(target, bits, group_size, rounding, seed, scratch=target)
 
 
 def torch_weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> Tensor:
@@ -137,12 +155,19 @@ def torch_weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group
 
     additive (qWD): weights = dtype(fp32(weights) + difference); otherwise (qW): weights = dtype(values).
     Every rank, the sender included, runs this on the same bytes, so replicas stay bit-identical.
+    Row by row through one fp32 buffer: the sum is computed in fp32 and rounded once to
+    weights.dtype as it is stored, as `copy_` (and `.to()`) round.
     """
     rows = payload.shape[0]
-    values = decode_rows(payload, bits, group_size, weights.numel() // rows).view(-1)
-    if additive:
-        values.add_(weights)  # fp32 + weights promoted to fp32, in place in the fresh values
-    return weights.copy_(values)  # copy_ rounds to weights.dtype as .to() does
+    shard = weights.numel() // rows
+    values = torch.empty(shard, device=weights.device)
+    for row, target in zip(payload, weights.view(rows, shard), strict=True):
+        _decode_row(row, bits, group_size, shard, out=values)
+        if additive:
+            torch.add(values, target, out=target)
+        else:
+            target.copy_(values)
+    return weights
 
 
 def torch_grad_encode(
@@ -166,11 +191,23 @@ def torch_grad_encode(
     rotating each chunk. Returns the payload [chunks, row_bytes(outer*S)].
     """
     x = grad.float() * scale if scale != 1.0 else grad.float()
-    if hadamard_size:
-        x = blockwise_hadamard(x, hadamard_size)
     shard = x.numel() // (outer * chunks)
-    rows = x.view(outer, chunks, shard).transpose(0, 1).reshape(chunks, outer * shard)
-    return encode_rows(rows, bits, group_size, rounding, seed)
+    if not hadamard_size:
+        rows = x.view(outer, chunks, shard).transpose(0, 1).reshape(chunks, outer * shard)
+        return encode_rows(rows, bits, group_size, rounding, seed)
+    source = x.view(-1, hadamard_size)
+    # Two buffers; the butterflies may overwrite x when it is a copy (bf16 grad) and they run an
+    # odd number of stages. The spare then receives the scaled result in destination order.
+    odd = (hadamard_size.bit_length() - 1) % 2 == 1
+    spare = source if odd and x.data_ptr() != grad.data_ptr() else torch.empty_like(source)
+    rotated = butterflies(source, hadamard_size, torch.empty_like(source), spare)
+    rows = spare.view(chunks, outer * shard)
+    torch.mul(
+        rotated.view(outer, chunks, shard),
+        hadamard_scale(hadamard_size),
+        out=rows.view(chunks, outer, shard).transpose(0, 1),
+    )
+    return _encode(rows, bits, group_size, rounding, seed, scratch=rows)
 
 
 def torch_grad_requantize(
@@ -188,8 +225,8 @@ def torch_grad_requantize(
     payload: [L, row_bytes(outer*S)]. Returns [outer, row_bytes(S)]: chunk m goes to node m.
     """
     numel = (payload.shape[1] * 8 * group_size) // (in_bits * group_size + 32)
-    total = _sum_rows(decode_rows(payload, in_bits, group_size, numel))
-    return encode_rows(total.view(outer, -1), out_bits, group_size, rounding, seed)
+    total = _sum_rows(payload, in_bits, group_size, numel).view(outer, -1)
+    return _encode(total, out_bits, group_size, rounding, seed, scratch=total)
 
 
 def torch_grad_decode_sum(
@@ -198,9 +235,14 @@ def torch_grad_decode_sum(
     """Gradient stage 3: dequantize the P chunks of this rank's shard, sum them in order and undo
     the Hadamard transform. payload: [P, row_bytes(S)]; returns (or fills `out`) fp32 [S]."""
     numel = (payload.shape[1] * 8 * group_size) // (bits * group_size + 32)
-    total = _sum_rows(decode_rows(payload, bits, group_size, numel))
-    if hadamard_size:
-        total = inverse_blockwise_hadamard(total, hadamard_size)
-    if out is None:
-        return total
-    return out.copy_(total)
+    total = _sum_rows(payload, bits, group_size, numel)
+    if not hadamard_size:
+        return total if out is None else out.copy_(total)
+    # The inverse transform ends in `out` when it can (contiguous fp32), with the sum as spare.
+    direct = out is not None and out.is_contiguous() and out.dtype == torch.float32
+    target = out if direct else torch.empty_like(total)
+    odd = (hadamard_size.bit_length() - 1) % 2 == 1
+    blocks = total.view(-1, hadamard_size)
+    butterflies(blocks, hadamard_size, target.view(-1, hadamard_size), blocks if odd else None)
+    target.mul_(hadamard_scale(hadamard_size))
+    return target if out is None or direct else out.copy_(target)

@@ -59,24 +59,34 @@ def quantize_groups(
     Returns (codes int8 [groups, group_size], scales fp32 [groups]). Stochastic rounding needs
     `noise`, U[0, 1) values of x's shape (or numel), e.g. from `uniform_noise`.
     """
+    x = x.float()
+    codes, scales = round_groups(x, bits, rounding, noise, out=torch.empty_like(x))
+    return codes.to(torch.int8), scales
+
+
+def round_groups(
+    x: Tensor, bits: int, rounding: Rounding | str, noise: Tensor | None, out: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`quantize_groups` up to the integer cast: (codes as fp32 in `out`, x's shape, which may be
+    x itself, then overwritten; scales)."""
     rounding = coerce_enum("rounding", rounding, Rounding)
     qmax = max_level(bits)
-    x = x.float()
-    # amax propagates NaN, and an inf absmax gives an inf scale: both stay non-finite. The
+    # amax propagates NaN, and an inf absmax gives an inf scale: both stay non-finite. (max(amax,
+    # -amin) would skip the |x| copy, but the vectorised reductions give a NaN other bits.) The
     # divisor is a tensor because CUDA divides by a Python number through its reciprocal, which
     # can be an ulp off the IEEE quotient that the CPU and the kernels compute.
     absmax = x.abs().amax(dim=1)
     scales = absmax / torch.full_like(absmax, qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = x / safe[:, None]  # a new tensor: the rounding below works in place on it
+    codes = torch.div(x, safe[:, None], out=out)  # then rounded in place
     if rounding is Rounding.NEAREST:
-        codes = scaled.round_()
+        codes.round_()
     else:
         if noise is None:
             raise ValueError("rounding='stochastic' needs noise (U[0, 1) draws of the input's shape)")
-        codes = scaled.add_(noise.reshape(scaled.shape)).floor_()
+        codes.add_(noise.reshape(codes.shape)).floor_()
     # |x / scale| <= qmax up to one ulp, so the clamp only catches that ulp.
-    return codes.clamp_(-qmax, qmax).to(torch.int8), scales
+    return codes.clamp_(-qmax, qmax), scales
 
 
 def dequantize_groups(codes: Tensor, scales: Tensor) -> Tensor:
@@ -92,32 +102,50 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     flat = codes.reshape(-1)
     if bits == 8:
         return flat.view(torch.uint8).clone()
-    per_byte = 8 // bits
-    pad = (-flat.numel()) % per_byte
-    if pad:
+    pad = (-flat.numel()) % 4
+    if pad or flat.storage_offset() % 4:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    # The two's complement bytes, as uint8 so that shifts wrap: code i of a byte keeps its low
-    # b bits and moves to bits [b*i, b*(i+1)).
-    fields = flat.view(torch.uint8).view(-1, per_byte)
-    packed = fields[:, 0] & (2**bits - 1)
-    for position in range(1, per_byte):
-        packed |= (fields[:, position] & (2**bits - 1)) << (bits * position)
-    return packed
+    packed = pack_into(flat, bits, torch.empty(flat.numel() * bits // 8, dtype=torch.uint8, device=flat.device))
+    return packed[: -(-codes.numel() * bits // 8)]
+
+
+def pack_into(codes: Tensor, bits: int, out: Tensor) -> Tensor:
+    """Pack contiguous int8 codes (numel a multiple of 4, 4-byte aligned) into uint8 `out`
+    (any layout of numel * bits / 8 bytes), 4 or 2 bits per code, low fields first.
+
+    Four codes are one int32 word; masking keeps each byte's low b bits, and shifting the word
+    right by 8 - b, then 16 - 2b, ORs the fields of neighbouring bytes into the low byte of each
+    group of 8/b bytes (an int32 shift moves bits across bytes, which a uint8 shift cannot).
+    That byte is then cast out: 4 bits keep bytes 0 and 2 of each word, 2 bits byte 0.
+    """
+    words = codes.view(torch.int32) & int.from_bytes(bytes([2**bits - 1] * 4), "little")
+    fields, shift = 8 // bits, 8 - bits
+    while fields > 1:
+        words |= words >> shift
+        fields, shift = fields // 2, 2 * shift
+    carrier = words.view(torch.int16) if bits == 4 else words
+    # The integer cast keeps the low byte (two's complement wrap-around).
+    return out.copy_(carrier.view(out.shape))
 
 
 def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
     """Inverse of `pack_codes`: int8 codes [numel], sign-extended from their b-bit fields."""
     if bits == 8:
         return packed.reshape(-1)[:numel].view(torch.int8)
+    return unpack_into(packed.reshape(-1), bits).view(-1)[:numel]
+
+
+def unpack_into(packed: Tensor, bits: int) -> Tensor:
+    """int8 codes [*packed.shape, 8/bits] from packed uint8 bytes (any layout): field i of each
+    byte, sign-extended. Shifting field i to the top of the byte (uint8 wraps) and back down as
+    int8 (the arithmetic shift sign-extends) needs no left shift for the top field."""
     per_byte = 8 // bits
-    packed = packed.reshape(-1)
-    codes = torch.empty(packed.numel(), per_byte, dtype=torch.int8, device=packed.device)
+    codes = torch.empty(*packed.shape, per_byte, dtype=torch.int8, device=packed.device)
     for position in range(per_byte):
-        # Shift field `position` to the top of the byte (uint8 wraps), then shift it back down
-        # as int8: the arithmetic shift sign-extends it.
-        top = (packed << (8 - bits * (position + 1))).view(torch.int8)
-        torch.bitwise_right_shift(top, 8 - bits, out=codes[:, position])
-    return codes.view(-1)[:numel]
+        left = 8 - bits * (position + 1)
+        top = (packed << left) if left else packed
+        torch.bitwise_right_shift(top.view(torch.int8), 8 - bits, out=codes[..., position])
+    return codes
 
 
 @dataclass(frozen=True)
