@@ -24,7 +24,6 @@ No Lightning here: a test can drive it with a plain module and optimizer.
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from collections.abc import Iterable
@@ -37,7 +36,7 @@ from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, layout_signature, plan_buckets
 from lightning_sdp4bit.collectives import Pending, grad_collective_for, weight_collective_for
 from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, auto_bucket_numel
-from lightning_sdp4bit.guards import NonFiniteGradientError, StepVerdict, decide_step, global_squares
+from lightning_sdp4bit.guards import NonFiniteGradientError, SkippedSteps, StepVerdict, decide_step, global_squares
 from lightning_sdp4bit.module_hooks import register_hooks
 from lightning_sdp4bit.optim import shard_optimizer
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, exchange_stream
@@ -45,8 +44,6 @@ from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = ["MasterFragment", "ShardedEngine", "shard_alignment"]
-
-log = logging.getLogger(__name__)
 
 # Shards stay a multiple of this many elements even uncompressed: 32 keeps every packed
 # payload row a whole number of 32-bit words (see reference.ops.payload_row_bytes).
@@ -129,18 +126,14 @@ class ShardedEngine:
         self.step = 0
         self.grad_sync_enabled = True
         self.verdict: StepVerdict | None = None  # the last reduced window's verdict
-        self.nonfinite_steps = 0
+        self.skipped = SkippedSteps(named[0][1].device, topology.rank)
         self._received: list[set[int]] = [set() for _ in self.buckets]  # positions with a gradient this window
         self._ready: list[set[int]] = [set() for _ in self.buckets]  # ... in the synced (last) backward
         self._norm_versions: tuple[int, ...] | None = None  # grad shards' versions when verdict.norm was taken
         self._stale_window_warned = False
         self._decided = False  # prepare_step applied the current verdict
         self._skip_on_host = False
-        self._nonfinite_logged = 0
         self.optimizers: list[torch.optim.Optimizer] = []  # re-pointed by shard_optimizer
-        # Steps skipped on the device (fused optimizers), counted there and read a step late.
-        self._nonfinite_on_device = torch.zeros((), dtype=torch.float32, device=named[0][1].device)
-        self._nonfinite_read = torch.zeros((), dtype=torch.float32, pin_memory=named[0][1].is_cuda)
         self._wait_all_before_forward = False
         self._hooks = register_hooks(self)
 
@@ -291,7 +284,7 @@ class ShardedEngine:
                 self._on_nonfinite()
                 self._skip_on_host = True
         if on_device:
-            self._nonfinite_on_device += verdict.nonfinite_flag
+            self.skipped.device_skip(verdict.nonfinite_flag)
         for records in self.fragments_by_name.values():
             for record in records:
                 if self._skip_on_host or not verdict.used[record.param_index]:
@@ -306,14 +299,7 @@ class ShardedEngine:
                 "layer that overflows."
             )
         if mode is NonFinite.SKIP:
-            self.nonfinite_steps += 1
-            if self.topology.rank == 0:
-                log.warning(
-                    "sdp4bit: non-finite gradient at optimizer step %d: step skipped (masters, optimizer state "
-                    "and weights unchanged; %d skipped so far)",
-                    self.step,
-                    self.nonfinite_steps,
-                )
+            self.skipped.host_skip(self.step)
 
     @property
     def skips_step(self) -> bool:
@@ -399,18 +385,8 @@ class ShardedEngine:
             self.schedule.start_weights()
         self.step += 1
         stats = self.meter.end_step()
-        stats["nonfinite_steps"] = self.nonfinite_steps + self._nonfinite_steps_on_device()
+        stats["nonfinite_steps"] = self.skipped.lagging()
         return stats
-
-    def _nonfinite_steps_on_device(self) -> int:
-        """The device-side skip count as of about one step ago: the copy issued last step has
-        landed by now, and the one issued here is read next step (no host synchronisation)."""
-        landed = int(self._nonfinite_read.item())
-        self._nonfinite_read.copy_(self._nonfinite_on_device, non_blocking=True)
-        if landed > self._nonfinite_logged and self.topology.rank == 0:
-            log.warning("sdp4bit: %d optimizer steps skipped so far for non-finite gradients", landed)
-        self._nonfinite_logged = landed
-        return landed
 
     def weights_loaded(self) -> None:
         """The weights were written from outside (a checkpoint): take them as the applied ones."""

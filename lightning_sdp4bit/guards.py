@@ -22,6 +22,7 @@ step for a 356M GPT); only `finite` makes one, and only where it is needed.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -29,7 +30,56 @@ from torch import Tensor
 
 from lightning_sdp4bit import comm
 
-__all__ = ["NonFiniteGradientError", "StepVerdict", "decide_step", "global_squares"]
+__all__ = ["NonFiniteGradientError", "SkippedSteps", "StepVerdict", "decide_step", "global_squares"]
+
+
+log = logging.getLogger(__name__)
+
+
+class SkippedSteps:
+    """How many optimizer steps were skipped for non-finite gradients (nonfinite="skip").
+
+    Steps the host skips are counted on the host. Steps a fused optimizer skips on the device
+    (`found_inf`) are counted on the device and read one step late (`lagging`), so that counting
+    never synchronises the host; `exact` reads them now (a synchronisation, for checkpoints).
+    """
+
+    def __init__(self, device: torch.device, rank: int):
+        self.on_host, self._rank, self._logged = 0, rank, 0
+        self._on_device = torch.zeros((), dtype=torch.float32, device=device)
+        self._read = torch.zeros((), dtype=torch.float32, pin_memory=device.type == "cuda")
+
+    def host_skip(self, step: int) -> None:
+        self.on_host += 1
+        if self._rank == 0:
+            log.warning(
+                "sdp4bit: non-finite gradient at optimizer step %d: step skipped (masters, optimizer state and "
+                "weights unchanged; %d skipped so far)",
+                step,
+                self.on_host,
+            )
+
+    def device_skip(self, flag: Tensor) -> None:
+        """`flag`: the verdict's device tensor, 1.0 when the fused optimizers skip this step."""
+        self._on_device += flag
+
+    def lagging(self) -> int:
+        """The total as of about one step ago: the copy issued last call has landed by now."""
+        landed = int(self._read.item())
+        self._read.copy_(self._on_device, non_blocking=True)
+        if landed > self._logged and self._rank == 0:
+            log.warning("sdp4bit: %d optimizer steps skipped so far for non-finite gradients", landed)
+        self._logged = landed
+        return self.on_host + landed
+
+    def exact(self) -> int:
+        return self.on_host + int(self._on_device.item())
+
+    def restore(self, total: int) -> None:
+        """Continue counting from a checkpoint's `exact()`."""
+        self.on_host, self._logged = total, 0
+        self._on_device.zero_()
+        self._read.zero_()
 
 
 class NonFiniteGradientError(FloatingPointError):

@@ -1,7 +1,7 @@
 """The engine's hooks on the module: where autograd and forward hand control to the engine.
 
 - A post-accumulate-grad hook per trained parameter: its gradient is complete, so the engine
-  adds it into the bucket's accumulator and may start the bucket's exchange.
+  puts it into the bucket's window gradients and may start the bucket's exchange.
 - A forward pre-hook per module that owns trained parameters: the engine completes the weight
   all-gathers of that module's buckets just before its forward reads them.
 

@@ -1,8 +1,9 @@
 """The per-step guards, on 2 CPU ranks:
 - an Inf in one rank's gradient, and a NaN loss on one rank, under nonfinite = "skip" (the step
-  is skipped on every rank: weights and optimizer state unchanged, counted in comm_stats,
-  replicas identical, training goes on), "error" (NonFiniteGradientError on every rank, naming
-  the step) and "propagate" (the weights become non-finite, as under DDP); baseline and sdp4bit;
+  is skipped on every rank: weights and optimizer state unchanged, counted in comm_stats, the
+  count kept by a checkpoint, replicas identical, training goes on), "error"
+  (NonFiniteGradientError on every rank, naming the step) and "propagate" (the weights become
+  non-finite, as under DDP); baseline and sdp4bit;
 - a branch unused on every rank on even steps gets grad None there, so AdamW skips it: the fp32
   baseline equals DDPStrategy(find_unused_parameters=True) bit for bit; so does a model that runs
   one block twice in each forward (its gradients are complete when their hooks fire);
@@ -71,7 +72,7 @@ class BlockTwice(TinyLMModule):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
-def _guards(rank, world, preset):
+def _guards(rank, world, preset, directory):
     import torch.distributed as dist
 
     import lightning_sdp4bit.comm as comm
@@ -87,8 +88,13 @@ def _guards(rank, world, preset):
         except NonFiniteGradientError as error:
             out[mode] = str(error)
     module = InjectsNonFinite(fused=True)
-    make_trainer(world, sdp4bit(preset=preset), max_steps=4).fit(module)
+    trainer = make_trainer(world, sdp4bit(preset=preset), max_steps=4)
+    trainer.fit(module)
     out["skip_on_device"] = module.snapshots
+    trainer.save_checkpoint(f"{directory}/skipped")
+    resumed = InjectsNonFinite(fused=True)
+    make_trainer(world, sdp4bit(preset=preset), max_steps=5).fit(resumed, ckpt_path=f"{directory}/skipped")
+    out["skipped_after_resume"] = resumed.snapshots[-1][2]["nonfinite_steps"]
 
     groups = []
     for name in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"):
@@ -122,8 +128,8 @@ def _assert_finite(snapshot):
 
 
 @pytest.mark.parametrize("preset", ["baseline", "sdp4bit"])
-def test_nonfinite_modes_unused_parameters_and_own_groups(preset):
-    results = run_workers(_guards, 2, preset)
+def test_nonfinite_modes_unused_parameters_and_own_groups(preset, tmp_path):
+    results = run_workers(_guards, 2, preset, str(tmp_path))
     for result in results:
         skipped = result["skip"]
         assert len(skipped) == 4
@@ -139,6 +145,7 @@ def test_nonfinite_modes_unused_parameters_and_own_groups(preset):
         assert torch.equal(device[0][3], device[1][3]) and torch.equal(device[1][3], device[2][3])
         assert device[0][1] == device[1][1] == device[2][1] and not torch.equal(device[3][3], device[0][3])
         assert [snapshot[2]["nonfinite_steps"] for snapshot in device] == [0, 0, 1, 2]
+        assert result["skipped_after_resume"] == 2  # the count is saved with the checkpoint
         assert isinstance(result["error"], str) and "optimizer step 1" in result["error"]
         assert not _assert_finite(result["propagate"][1][0])
         assert not any(result["engine_groups_default"]) and result["engine_groups_default"]

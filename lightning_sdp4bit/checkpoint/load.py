@@ -135,6 +135,8 @@ def load_sharded(
         _apply_full_state(engine, optimizers, full)
     engine.step = int(meta["engine_step"])
     engine.meter.load_state_dict(meta["meter"])
+    # Checkpoints from before the count was saved: their skipped steps are unknown, counted from 0.
+    engine.skipped.restore(int(meta.get("skipped_steps", 0)))
     return meta
 
 

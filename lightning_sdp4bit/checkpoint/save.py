@@ -166,6 +166,7 @@ def _commit(
         "config": engine.config.to_dict(),
         "engine_step": engine.step,
         "meter": engine.meter.state_dict(),
+        "skipped_steps": engine.skipped.exact(),
         "untrained_state": {
             k: v.cpu() for k, v in engine.module.state_dict().items() if k not in trained and isinstance(v, Tensor)
         },
