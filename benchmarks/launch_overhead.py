@@ -29,7 +29,7 @@ weight_update = importlib.import_module("lightning_sdp4bit.kernels.weight_update
 
 
 def _calls(numel: int) -> dict[str, tuple]:
-    """op -> (custom op, wrapper, launcher, arguments of the custom op and launcher, of the wrapper)."""
+    """op -> (custom op, wrapper, launcher, the arguments all three take)."""
     device = "cuda"
     master = torch.randn(numel, device=device)
     weights = master.bfloat16()
@@ -47,13 +47,11 @@ def _calls(numel: int) -> dict[str, tuple]:
             kernels.weight_update_encode,
             weight_update._weight_update_encode,
             (master, weights, 4, 2048, "stochastic", 1),
-            (master, weights, 4, 2048, "stochastic", 1),
         ),
         "weight_update_apply": (
             ops.weight_update_apply,
             kernels.weight_update_apply,
             weight_update._weight_update_apply,
-            (gathered, full, 4, 2048, True),
             (gathered, full, 4, 2048, True),
         ),
         "grad_encode": (
@@ -61,20 +59,17 @@ def _calls(numel: int) -> dict[str, tuple]:
             kernels.grad_encode,
             grad_encode_module._grad_encode,
             (grad, 2, 4, 32, 8, 128, "stochastic", 1, 0.125),
-            (grad, 2, 4, 32, 8, 128, "stochastic", 1, 0.125),
         ),
         "grad_requantize": (
             ops.grad_requantize,
             kernels.grad_requantize,
             grad_reduce._grad_requantize,
             (intra, 8, 4, 128, 2, "stochastic", 1),
-            (intra, 8, 4, 128, 2, "stochastic", 1),
         ),
         "grad_decode_sum": (
             ops.grad_decode_sum,
             kernels.grad_decode_sum,
             grad_reduce._grad_decode_sum,
-            (inter, 4, 128, 32, shard),
             (inter, 4, 128, 32, shard),
         ),
     }
@@ -107,9 +102,8 @@ def main() -> None:
         "| op | custom op | wrapper (eager) | launcher only |",
         "|---|---|---|---|",
     ]
-    for name, (op, wrapper, launcher, launch_args, wrapper_args) in _calls(args.numel).items():
-        figures = [_host_us(fn, a, args.calls) for fn, a in ((op, launch_args), (wrapper, wrapper_args))]
-        figures.append(_host_us(launcher, launch_args, args.calls))
+    for name, (*ways, arguments) in _calls(args.numel).items():
+        figures = [_host_us(fn, arguments, args.calls) for fn in ways]
         lines.append(f"| {name} | " + " | ".join(f"{us:.1f}" for us in figures) + " |")
     text = "\n".join(lines)
     print(text)
