@@ -144,6 +144,7 @@ class Bucket:
         self.params = list(params)
         device = weights.device
         self.grads: Tensor | None = None  # the window gradients [N], see receive_grad
+        self.received: set[int] = set()  # positions that got a gradient this window
         lo, hi = layout.shard_bounds(rank)
         self.master = weights[lo:hi].float().clone()
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
@@ -156,12 +157,14 @@ class Bucket:
         lo, hi = self.layout.shard_bounds(self.rank)
         return self.weights[lo:hi]
 
-    def receive_grad(self, position: int, grad: Tensor, first: bool, accumulating: bool) -> None:
-        """Put parameter `position`'s gradient into the window gradients: copied on its `first`
+    def receive_grad(self, position: int, grad: Tensor, accumulating: bool) -> None:
+        """Put parameter `position`'s gradient into the window gradients: copied on its first
         arrival in the window, added after. The buffer is made at the bucket's first gradient, in
         fp32 when micro-batches will be summed (`accumulating`) and in the weights' dtype
         otherwise; a second gradient for a position turns it into fp32 first, so that sums are
         always taken in fp32 (the conversion of a single bf16 gradient is exact)."""
+        first = position not in self.received
+        self.received.add(position)
         if self.grads is None:
             dtype = torch.float32 if accumulating else self.weights.dtype
             self.grads = torch.empty(self.layout.numel, dtype=dtype, device=self.weights.device)
@@ -175,18 +178,24 @@ class Bucket:
         else:
             view.add_(grad)
 
-    def take_grads(self, received: set[int]) -> Tensor:
+    def take_grads(self) -> Tensor:
         """The window gradients [N] for the exchange, zero where a parameter got none (its slot
-        still holds whatever the allocator gave); the bucket lets go of them."""
+        still holds whatever the allocator gave); the bucket lets go of them (`received` stays
+        until the next window)."""
         grads = self.grads
         if grads is None:
             grads = torch.zeros(self.layout.numel, dtype=self.weights.dtype, device=self.weights.device)
         else:
             for position, slot in enumerate(self.layout.slots):
-                if position not in received:
+                if position not in self.received:
                     grads[slot.start : slot.start + slot.numel].zero_()
         self.grads = None
         return grads
+
+    def start_window(self) -> None:
+        """A new accumulation window: no gradients yet (any not exchanged are dropped)."""
+        self.grads = None
+        self.received = set()
 
 
 def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Parameter], rank: int) -> list[Bucket]:

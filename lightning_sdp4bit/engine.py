@@ -127,7 +127,6 @@ class ShardedEngine:
         self.grad_sync_enabled = True
         self.verdict: StepVerdict | None = None  # the last reduced window's verdict
         self.skipped = SkippedSteps(named[0][1].device, topology.rank)
-        self._received: list[set[int]] = [set() for _ in self.buckets]  # positions with a gradient this window
         self._ready: list[set[int]] = [set() for _ in self.buckets]  # ... in the synced (last) backward
         self._norm_versions: tuple[int, ...] | None = None  # grad shards' versions when verdict.norm was taken
         self._stale_window_warned = False
@@ -209,11 +208,9 @@ class ShardedEngine:
                 "(it was used again later in the same backward); this strategy needs each parameter's "
                 "gradient to be final once its hook fires"
             )
-        received = self._received[index]
         with torch.no_grad():
-            bucket.receive_grad(position, param.grad, position not in received, not self.grad_sync_enabled)
+            bucket.receive_grad(position, param.grad, accumulating=not self.grad_sync_enabled)
         param.grad = None
-        received.add(position)
         if self.grad_sync_enabled:
             # Only the synced backward's own gradients count towards a bucket being complete.
             self._ready[index].add(position)
@@ -234,7 +231,7 @@ class ShardedEngine:
     def _start_grad_exchange(self, index: int) -> Pending:
         bucket = self.buckets[index]
         with torch.no_grad():
-            grads = bucket.take_grads(self._received[index])
+            grads = bucket.take_grads()
             return self.grad_collectives[index].start(bucket, grads, 1.0 / self.topology.world_size, self.step)
 
     def finish_grad_sync(self) -> None:
@@ -247,11 +244,7 @@ class ShardedEngine:
             return
         with torch.no_grad():
             self.schedule.finish_grads()
-            used_here = [
-                position in received
-                for bucket, received in zip(self.buckets, self._received, strict=True)
-                for position in range(len(bucket.params))
-            ]
+            used_here = [position in b.received for b in self.buckets for position in range(len(b.params))]
             shards = [b.grad_shard for b in self.buckets]
             self.verdict = decide_step(shards, used_here, self.groups.world, self.groups.host or self.groups.world)
         self._norm_versions = self._grad_versions()
@@ -312,8 +305,6 @@ class ShardedEngine:
         if self.schedule.grads_exchanging:
             with torch.no_grad():
                 self.schedule.finish_grads()
-        for bucket in self.buckets:
-            bucket.grads = None
         self._reset_window()
         self._decided = False
         for records in self.fragments_by_name.values():
@@ -322,7 +313,8 @@ class ShardedEngine:
 
     def _reset_window(self) -> None:
         self.schedule.restart_grads()
-        self._received = [set() for _ in self.buckets]
+        for bucket in self.buckets:
+            bucket.start_window()
         self._ready = [set() for _ in self.buckets]
         self.verdict = None
 

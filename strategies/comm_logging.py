@@ -46,12 +46,12 @@ class CommStatsLogger(Callback):
         self._logged = stats
         self.bytes_on_wire.update(float(stats["step_bytes"]))
         self.uncompressed_bytes.update(float(stats["step_uncompressed_bytes"]))
-        values = {f"comm/{key}": float(stats[key]) for key in _PER_STEP}
-        values["comm/bytes_on_wire"] = float(self.bytes_on_wire.compute())
-        values["comm/uncompressed_bytes"] = float(self.uncompressed_bytes.compute())
+        values = {f"comm/{key}": stats[key] for key in _PER_STEP}
+        values["comm/bytes_on_wire"] = self.bytes_on_wire.compute()
+        values["comm/uncompressed_bytes"] = self.uncompressed_bytes.compute()
         # CPU tensors: Lightning makes a Python number a tensor on the module's device, and each
         # such copy from host memory synchronises the stream (nine per step: 36 ms of host time
         # a step, and the GPU idle behind it, in a 1.3B GPT's trace; see
         # benchmarks/results/emulated_network_h200_*.md).
-        cpu = {key: torch.tensor(value, dtype=torch.float64) for key, value in values.items()}
+        cpu = {key: torch.tensor(float(value), dtype=torch.float64) for key, value in values.items()}
         pl_module.log_dict(cpu, on_step=True, on_epoch=False, rank_zero_only=True)

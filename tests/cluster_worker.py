@@ -21,6 +21,7 @@ from pathlib import Path
 
 import cluster
 import torch
+from lightning_runs import TRAINER_DEFAULTS
 from models import TinyLMModule
 
 
@@ -47,18 +48,12 @@ def main(options: dict) -> None:
     strategy = SDP4BitStrategy(config={"bucket_numel": 3000, **options.get("config", {})}, timeout=timeout)
     hosts = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
     trainer = pl.Trainer(
-        accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         num_nodes=hosts,
         strategy=strategy,
         max_steps=options.get("steps", 4),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[Progress()],
+        **TRAINER_DEFAULTS,
     )
     module = TinyLMModule(**options.get("module", {}))
     trainer.fit(module)

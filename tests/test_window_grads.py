@@ -37,11 +37,12 @@ def test_one_backward_keeps_the_weights_dtype_and_the_exchange_gets_zeros_elsewh
     bucket = _bucket(dtype)
     grads = {p: _grad(p, bucket, p) for p in (0, 2)}
     for position, grad in grads.items():
-        bucket.receive_grad(position, grad, first=True, accumulating=False)
+        bucket.receive_grad(position, grad, accumulating=False)
         if position == 0:
             _slot(bucket.grads, bucket, 1).fill_(float("nan"))  # what the allocator may leave there
     assert bucket.grads.dtype == dtype
-    taken = bucket.take_grads(set(grads))
+    assert bucket.received == set(grads)
+    taken = bucket.take_grads()
     assert bucket.grads is None
     for position, grad in grads.items():
         assert torch.equal(_slot(taken, bucket, position), grad)
@@ -52,20 +53,20 @@ def test_one_backward_keeps_the_weights_dtype_and_the_exchange_gets_zeros_elsewh
 def test_micro_batches_are_summed_in_fp32():
     bucket = _bucket(torch.bfloat16)
     first, second = _grad(0, bucket, 1), _grad(0, bucket, 2)
-    bucket.receive_grad(0, first, first=True, accumulating=True)
+    bucket.receive_grad(0, first, accumulating=True)
     assert bucket.grads.dtype == torch.float32
-    bucket.receive_grad(0, second, first=False, accumulating=False)
-    assert torch.equal(_slot(bucket.take_grads({0}), bucket, 0), first.float() + second.float())
+    bucket.receive_grad(0, second, accumulating=False)
+    assert torch.equal(_slot(bucket.take_grads(), bucket, 0), first.float() + second.float())
 
 
 def test_a_second_gradient_into_a_bf16_buffer_is_summed_in_fp32():
     bucket = _bucket(torch.bfloat16)
     grads = [_grad(position, bucket, position) for position in range(3)]
     for position, grad in enumerate(grads):
-        bucket.receive_grad(position, grad, first=True, accumulating=False)
+        bucket.receive_grad(position, grad, accumulating=False)
     extra = _grad(1, bucket, 9)
-    bucket.receive_grad(1, extra, first=False, accumulating=False)
-    taken = bucket.take_grads({0, 1, 2})
+    bucket.receive_grad(1, extra, accumulating=False)
+    taken = bucket.take_grads()
     assert taken.dtype == torch.float32
     assert torch.equal(_slot(taken, bucket, 1), grads[1].float() + extra.float())
     assert torch.equal(_slot(taken, bucket, 2), grads[2].float())
@@ -73,5 +74,15 @@ def test_a_second_gradient_into_a_bf16_buffer_is_summed_in_fp32():
 
 def test_a_bucket_that_got_nothing_sends_zeros():
     bucket = _bucket(torch.bfloat16)
-    taken = bucket.take_grads(set())
+    taken = bucket.take_grads()
     assert taken.dtype == torch.bfloat16 and taken.numel() == bucket.layout.numel and not taken.any()
+
+
+def test_a_new_window_forgets_the_old_gradients():
+    bucket = _bucket(torch.bfloat16)
+    bucket.receive_grad(0, _grad(0, bucket, 1), accumulating=True)
+    bucket.start_window()
+    assert bucket.grads is None and bucket.received == set()
+    fresh = _grad(0, bucket, 2)
+    bucket.receive_grad(0, fresh, accumulating=False)  # a first arrival again: copied, not added
+    assert bucket.grads.dtype == torch.bfloat16 and torch.equal(_slot(bucket.take_grads(), bucket, 0), fresh)
