@@ -247,6 +247,11 @@ def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dic
         ("DDP, overlapped", ddp_ideal, plain["step_ms"], {**zero, "world": ddp_comm}, math.nan),
         ("DDP, not overlapped", plain["step_ms"] + ddp_comm, plain["step_ms"], {**zero, "world": ddp_comm}, math.nan),
     ]
+    hierarchical = None if one_node else _hierarchical_ddp(scenario, plain, args)
+    if hierarchical is not None:
+        busy = {**zero, "intra": hierarchical[0], "inter": hierarchical[1]}
+        step = max(plain["step_ms"], *hierarchical)
+        rows.append(("DDP, two-level all-reduce, overlapped", step, plain["step_ms"], busy, math.nan))
     notes = []
     for row, result in runs.items():
         measured = result[scenario.name]
@@ -261,7 +266,11 @@ def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dic
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, step, compute, busy, peak in rows:
-        link = busy["world"] if name.startswith("DDP") else max(busy["nvlink"], busy["nic"])
+        link = (
+            max(busy["world"], busy["intra"], busy["inter"])
+            if name.startswith("DDP")
+            else max(busy["nvlink"], busy["nic"])
+        )
         lanes = " / ".join(_fmt(busy[k]) for k in ("intra", "inter", "world"))
         lines.append(
             f"| {name} | {_fmt(step)} | {_fmt(compute)} | {lanes} | {_fmt(step / max(compute, link), 2)} "
@@ -271,10 +280,28 @@ def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dic
         "",
         f"DDP: {plain['params'] / 1e6:.0f}M bf16 gradients all-reduced, {ddp_comm:.1f} ms at {world_gbs:g} GB/s. "
         "The link bound charges the world lane to the link it crosses (NVLink on one node, else the NIC).",
+        *([] if hierarchical is None else [_HIERARCHICAL_NOTE]),
         *notes,
         "",
     ]
     return "\n".join(lines)
+
+
+_HIERARCHICAL_NOTE = (
+    "The DDP rows above charge the flat ring's every byte to each GPU's NIC share, as the world lane does; "
+    "a ring or two-level all-reduce puts only 1/L of them on each NIC. The two-level row: reduce-scatter "
+    "and all-gather inside the node (NVLink), all-reduce of each GPU's 1/L across nodes (NIC), pipelined; "
+    "x ideal DDP stays against the flat one."
+)
+
+
+def _hierarchical_ddp(scenario: Phase, plain: dict, args) -> tuple[float, float]:
+    """(NVLink ms, NIC ms) of a two-level bf16 all-reduce of every gradient, per GPU."""
+    local, nodes = args.ranks_per_node, args.world // args.ranks_per_node
+    nbytes = 2 * plain["params"]
+    intra = 2 * (local - 1) / local * nbytes / scenario.nvlink_gbs / 1e6
+    inter = 2 * (nodes - 1) / nodes * nbytes / local / scenario.nic_gbs / 1e6
+    return intra, inter
 
 
 def _describe(scenario: Phase, args) -> str:

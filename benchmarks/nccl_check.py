@@ -6,7 +6,8 @@
 One process per GPU, NCCL, the Triton kernels. Checks, on every topology the GPU count allows
 (all ranks on one node, and one rank per node):
 - the two-level reduce-scatter equals the CPU reference simulation bit for bit (nearest
-  rounding), and the qWD all-gather too;
+  rounding), and the qWD all-gather too (two-level where there are several nodes of several
+  ranks);
 - the sharded engine with compression off ends with torch DDP's weights bit for bit (fp32,
   AdamW, 4 steps; two ranks sum in either order);
 - with sdp4bit's defaults (stochastic rounding) every rank holds bit-identical weights after 8
@@ -41,6 +42,7 @@ from lightning_sdp4bit.reference.simulate import (  # noqa: E402
     simulate_two_level_reduce_scatter,
     simulate_weight_all_gather,
 )
+from lightning_sdp4bit.schedule import exchange_stream  # noqa: E402
 from lightning_sdp4bit.stats import WireMeter  # noqa: E402
 from lightning_sdp4bit.topology import Topology, create_process_groups  # noqa: E402
 
@@ -59,7 +61,8 @@ def _check_collectives(rank, world, ranks_per_node, device) -> list[str]:
     config = SDP4BitConfig(rounding="nearest", ranks_per_node=ranks_per_node)
     bucket = _bucket(world, rank, 300_000, torch.float32, device, 2048)
     grads = [torch.randn(bucket.layout.numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    collective = TwoLevelGradReduceScatter(config, topology, groups, WireMeter(), rank)
+    stream = exchange_stream(device)  # the second stages queued on a side stream, as in the engine
+    collective = TwoLevelGradReduceScatter(config, topology, groups, WireMeter(), rank, stream)
     pending = collective.start(bucket, grads[rank].to(device), 1.0, 0)
     pending.wait()
     expected = simulate_two_level_reduce_scatter(
@@ -74,7 +77,7 @@ def _check_collectives(rank, world, ranks_per_node, device) -> list[str]:
     noise = torch.randn(world, shard, generator=torch.Generator().manual_seed(7))  # the same on every rank
     masters = [start[r * shard : (r + 1) * shard].float() + 1e-3 * noise[r] for r in range(world)]
     weights.master.copy_(masters[rank])
-    QuantizedWeightAllGather(config, groups, WireMeter(), rank, additive=True).start(weights, 0).wait()
+    QuantizedWeightAllGather(config, topology, groups, WireMeter(), True, stream).start(weights, 0).wait()
     expected = simulate_weight_all_gather(masters, start, additive=True, bits=4, group_size=2048)
     if not torch.equal(weights.weights.cpu(), expected):
         failures.append(f"qWD all-gather, {ranks_per_node} per node")
@@ -143,7 +146,7 @@ def _worker(rank, world, port, queue):
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
         failures = []
-        for ranks_per_node in sorted({1, world}):
+        for ranks_per_node in [d for d in range(1, world + 1) if world % d == 0]:
             failures += _check_collectives(rank, world, ranks_per_node, device)
         ddp = _train(rank, world, "baseline", device, True, 4)
         ours = _train(rank, world, "baseline", device, False, 4)

@@ -114,7 +114,9 @@ class ShardedEngine:
         self.grad_collectives = [
             grad_collective_for(b, config, topology, groups, self.meter, stream) for b in self.buckets
         ]
-        self.weight_collectives = [weight_collective_for(b, config, topology, groups, self.meter) for b in self.buckets]
+        self.weight_collectives = [
+            weight_collective_for(b, config, topology, groups, self.meter, stream) for b in self.buckets
+        ]
         self.schedule = BucketSchedule(
             len(self.buckets),
             self._start_grad_exchange,

@@ -28,7 +28,9 @@ on communication. Its rules:
   waits for (a forward pre-hook's wait). On a GPU the host thus returns to launching forward
   after k exchanges instead of after all of them: after the step's host synchronisation the
   GPU would otherwise idle while the host launches every bucket's encode kernel and collective.
-  With None every exchange starts at once (the CPU, where a wait blocks the host itself).
+  With None every exchange starts at once (the CPU, where a wait blocks the host itself);
+- weight exchanges complete in launch order, and a two-level one's second stage goes out (from
+  `progress` or `wait`) only after every earlier one's: for the same reason as the gradients'.
 
 The waits Lightning's hooks need (weights complete before a callback reads them, gradients
 reduced before a hook sees them) are calls of `wait_weights` and `finish_grads`.
@@ -48,9 +50,11 @@ __all__ = ["BucketSchedule", "GradPhase", "WeightPhase", "exchange_stream"]
 
 def exchange_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The one side stream of an engine on a GPU (None elsewhere): the middle stage of every
-    two-level gradient exchange is queued there, ordered by the network's completion events
-    rather than by the host (`collectives.TwoLevelGradReduceScatter`). The compute stream
-    waits on it only where the gradient shard is needed: in `finish_grads`."""
+    two-level gradient exchange and the second stage of every two-level weight all-gather are
+    queued there, ordered by the network's completion events rather than by the host
+    (`collectives.TwoLevelGradReduceScatter`, `collectives._TwoLevelGather`). The compute stream
+    waits on it only where a result is needed: the gradient shards in `finish_grads`, a
+    bucket's weights in its wait."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
@@ -170,19 +174,24 @@ class BucketSchedule:
             count -= 1
 
     def wait_weights(self, indices: Iterable[int] | None = None) -> None:
-        """Complete the all-gathers of `indices` (default: all): their weights become CURRENT.
-        Due exchanges up to `weight_prefetch` past the last of them are started first."""
+        """Complete the all-gathers of `indices` (default: all), and every one launched before
+        them: their weights become CURRENT. Due exchanges up to `weight_prefetch` past the last
+        of them are started first; the ones still in flight after are moved on, in order."""
         targets = list(range(self.count)) if indices is None else list(indices)
         if self._weights_due and targets:
             # Launch order is count-1, ..., 0: bucket i is the (count-1-i)-th to go out.
             needed = self.count - min(targets) + (self._prefetch or 0)
             self._launch_due(needed - (self.count - len(self._weights_due)))
-        for index in targets:
-            pending = self._weights.pop(index, None)
-            if pending is not None:
-                pending.wait()
+        wanted = [index for index in targets if index in self._weights]
+        if wanted:
+            order = list(self._weights)  # launch order
+            for index in order[: max(order.index(i) for i in wanted) + 1]:
+                self._weights.pop(index).wait()
                 self.weight_phase[index] = WeightPhase.CURRENT
                 self._on_weights_current(index)
+        for pending in self._weights.values():  # move the later ones on, in launch order
+            if not pending.progress():
+                break
 
     def exchanging_weights(self) -> list[int]:
         return sorted([*self._weights, *self._weights_due])

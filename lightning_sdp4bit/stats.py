@@ -5,8 +5,10 @@ the chunk a rank keeps for itself, as the paper's bit counts do). Next to each f
 keeps what the uncompressed path would have passed for the same bucket (the weights' dtype for
 the all-gather, fp32 for the reduce-scatter), so the ratio is like for like.
 
-Kinds: "weight" (the weight all-gather), "grad_intra" and "grad_inter" (the two all-to-alls of
-the two-level reduce-scatter) and "grad_reduce_scatter" (the fp32 reduce-scatter).
+Kinds: "weight" (the weight all-gather; with several nodes of several ranks, its first stage,
+across nodes), "weight_intra" (that all-gather's second stage, inside the node), "grad_intra"
+and "grad_inter" (the two all-to-alls of the two-level reduce-scatter) and
+"grad_reduce_scatter" (the fp32 reduce-scatter).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import defaultdict
 
 __all__ = ["KINDS", "WireMeter"]
 
-KINDS = ("weight", "grad_intra", "grad_inter", "grad_reduce_scatter")
+KINDS = ("weight", "weight_intra", "grad_intra", "grad_inter", "grad_reduce_scatter")
 
 
 class WireMeter:
@@ -29,8 +31,8 @@ class WireMeter:
 
     def record(self, kind: str, nbytes: int, elements: int, uncompressed_nbytes: int) -> None:
         """Count one collective: `nbytes` passed for `elements` values that would cost
-        `uncompressed_nbytes` uncompressed (0 for the second stage of a two-level exchange,
-        whose uncompressed counterpart is already counted with the first)."""
+        `uncompressed_nbytes` uncompressed (0 for the second stage of the two-level reduce-scatter,
+        whose uncompressed counterpart, one reduce-scatter, is already counted with the first)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         self._bytes[kind] += nbytes

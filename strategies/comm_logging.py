@@ -1,10 +1,11 @@
 """Logs the strategy's communication figures through the Trainer's loggers, once per step.
 
-Per optimizer step it logs, under "comm/": the bits per element of the weight all-gather and of
-the two gradient stages, the compression ratio against the uncompressed path, the number of
-steps skipped for non-finite gradients (`nonfinite="skip"`), and the bytes
-this rank put on the wire since fit started, next to what the uncompressed path would have put
-(torchmetrics SumMetrics, local to the rank: every rank sends the same amount).
+Per optimizer step it logs, under "comm/": the bits per element of the weight all-gather (of its
+two stages where there are several nodes of several ranks) and of the two gradient stages, the
+compression ratio against the uncompressed path, the number of steps skipped for non-finite
+gradients (`nonfinite="skip"`), and the bytes this rank put on the wire since fit started, next
+to what the uncompressed path would have put (torchmetrics SumMetrics, local to the rank: every
+rank sends the same amount).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = ["CommStatsLogger"]
 
 _PER_STEP = (
     "weight_bits_per_element",
+    "weight_intra_bits_per_element",
     "grad_intra_bits_per_element",
     "grad_inter_bits_per_element",
     "grad_reduce_scatter_bits_per_element",

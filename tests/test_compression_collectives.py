@@ -2,8 +2,10 @@
 the reference module: the two-level reduce-scatter bit for bit (nearest and seeded stochastic
 rounding) over a grid of bits x group size x Hadamard on/off, on 4 processes as 2 nodes x 2,
 4 x 1 and 1 x 4, and on 3 processes as 3 odd nodes; the chunk layout gives the same contiguous
-shard as the uncompressed reduce-scatter; the qWD/qW all-gather equals the simulation; and the
-paper's Counterexample 4.1 through the library's weight all-gather."""
+shard as the uncompressed reduce-scatter; the qWD, qW and plain all-gathers equal the simulation
+on the same topologies, in two levels (one row per rank across nodes) where there are several
+nodes of several ranks; and the paper's Counterexample 4.1 through the library's weight
+all-gather."""
 
 import itertools
 import random
@@ -13,10 +15,15 @@ import torch
 from distributed import run_workers
 from torch import nn
 
-from lightning_sdp4bit import SDP4BitConfig
+from lightning_sdp4bit import SDP4BitConfig, comm
 from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
-from lightning_sdp4bit.collectives import QuantizedWeightAllGather, Stage, TwoLevelGradReduceScatter
-from lightning_sdp4bit.reference.ops import stage_seed
+from lightning_sdp4bit.collectives import (
+    PlainWeightAllGather,
+    QuantizedWeightAllGather,
+    Stage,
+    TwoLevelGradReduceScatter,
+)
+from lightning_sdp4bit.reference.ops import payload_row_bytes, stage_seed
 from lightning_sdp4bit.reference.simulate import simulate_two_level_reduce_scatter, simulate_weight_all_gather
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology, create_process_groups
@@ -101,31 +108,69 @@ def test_two_level_on_an_odd_number_of_nodes():
         assert mismatches == []
 
 
-def _weight_all_gather(rank, world, additive):
-    topology = Topology(rank, world, world)
+def _weight_all_gathers(rank, world, ranks_per_node):
+    """qWD, qW and the plain all-gather on one topology: (name, equal to the simulation, master
+    untouched, {group: input bytes} through a patched comm.all_gather)."""
+    topology = Topology(rank, world, ranks_per_node)
     groups = create_process_groups(topology)
+    # A stage that spans the world is the world group itself: that name wins.
+    names = {id(groups.intra): "intra", id(groups.inter): "inter", id(groups.world): "world"}
+    sent: dict[str, int] = {}
+    original = comm.all_gather
+
+    def counting(output, input, group=None, async_op=False):
+        sent[names[id(group)]] = sent.get(names[id(group)], 0) + input.nbytes
+        return original(output, input, group=group, async_op=async_op)
+
     config = SDP4BitConfig(weight_bits=4, weight_group_size=256, rounding="nearest")
-    bucket = make_bucket(world, rank, 3000, dtype=torch.bfloat16, alignment=256)
-    torch.manual_seed(0)  # same starting weights everywhere
-    bucket.weights.copy_(torch.randn(bucket.layout.numel))
-    before = bucket.weights.clone()
-    masters = [before[r * bucket.layout.shard_numel :][: bucket.layout.shard_numel].float() for r in range(world)]
-    masters = [
-        m + 0.01 * torch.randn(m.shape, generator=torch.Generator().manual_seed(r)) for r, m in enumerate(masters)
-    ]
-    bucket.master.copy_(masters[rank])
-    collective = QuantizedWeightAllGather(config, groups, WireMeter(), rank, additive)
-    collective.start(bucket, step=0).wait()
-    expected = simulate_weight_all_gather(
-        masters, before, additive=additive, bits=4, group_size=256, rounding="nearest"
-    )
-    return torch.equal(bucket.weights, expected), torch.equal(bucket.master, masters[rank])
+    results = []
+    for name, additive in [("qWD", True), ("qW", False), ("plain", None)]:
+        bucket = make_bucket(world, rank, 3000, dtype=torch.bfloat16, alignment=256)
+        torch.manual_seed(0)  # same starting weights everywhere
+        bucket.weights.copy_(torch.randn(bucket.layout.numel))
+        before = bucket.weights.clone()
+        shard = bucket.layout.shard_numel
+        masters = [before[r * shard :][:shard].float() for r in range(world)]
+        masters = [
+            m + 0.01 * torch.randn(m.shape, generator=torch.Generator().manual_seed(r)) for r, m in enumerate(masters)
+        ]
+        bucket.master.copy_(masters[rank])
+        if additive is None:
+            collective = PlainWeightAllGather(topology, groups, WireMeter())
+            expected = torch.cat(masters).to(torch.bfloat16)
+        else:
+            collective = QuantizedWeightAllGather(config, topology, groups, WireMeter(), additive)
+            expected = simulate_weight_all_gather(
+                masters, before, additive=additive, bits=4, group_size=256, rounding="nearest"
+            )
+        sent.clear()
+        comm.all_gather = counting
+        try:
+            pending = collective.start(bucket, step=0)
+            pending.progress()
+            pending.wait()
+        finally:
+            comm.all_gather = original
+        results.append(
+            (name, torch.equal(bucket.weights, expected), torch.equal(bucket.master, masters[rank]), dict(sent))
+        )
+    return results
 
 
-@pytest.mark.parametrize("additive", [True, False], ids=["qWD", "qW"])
-def test_weight_all_gather_equals_the_simulation_and_leaves_the_master_alone(additive):
-    for equal, master_untouched in run_workers(_weight_all_gather, 2, additive):
-        assert equal and master_untouched
+@pytest.mark.parametrize("world, ranks_per_node", TOPOLOGIES)
+def test_weight_all_gathers_equal_the_simulation_and_cross_nodes_once(world, ranks_per_node):
+    """Bit for bit on every topology. With 2 nodes x 2 the all-gather goes in two levels: this
+    rank's own row once across nodes, then the node's two rows inside it; one node or one rank
+    per node is one all-gather over the world."""
+    for rank_results in run_workers(_weight_all_gathers, world, ranks_per_node):
+        for name, equal, master_untouched, sent in rank_results:
+            assert equal and master_untouched, name
+            shard = 3072 // world  # 3000 elements padded to whole 256-groups per rank
+            row = 2 * shard if name == "plain" else payload_row_bytes(shard, bits=4, group_size=256)
+            if ranks_per_node in (1, world):
+                assert sent == {"world": row}, name
+            else:
+                assert sent == {"inter": row, "intra": 2 * row}, name
 
 
 def _counterexample(rank, world, additive, steps, lr):
@@ -139,7 +184,7 @@ def _counterexample(rank, world, additive, steps, lr):
     bucket = make_bucket(world, rank, 2, alignment=32)
     bucket.weights[:2] = torch.tensor([1.0, -1.0])
     bucket.master.copy_(bucket.weight_shard)
-    collective = QuantizedWeightAllGather(config, groups, WireMeter(), rank, additive)
+    collective = QuantizedWeightAllGather(config, topology, groups, WireMeter(), additive)
     coin = random.Random(0)  # the same draws on both ranks
     for step in range(steps):
         w = bucket.weights[:2].clone()

@@ -103,28 +103,32 @@ def test_bytes_on_the_wire_are_the_papers_figures(tmp_path):
         (numel,) = default["buckets"]  # TinyLM fits one bucket: all of its parameters, 1-D ones included
         shard = numel // world
         assert numel % (world * 2048) == 0
-        weight_bytes = shard // 2 + 4 * shard // 2048
+        nodes = world // local
+        weight_bytes = shard // 2 + 4 * shard // 2048  # this rank's row, across nodes
+        weight_intra_bytes = nodes * weight_bytes  # then its node's rows from the other nodes, inside it
         intra_bytes = numel + 4 * numel // 128
         inter_bytes = (numel // local) // 2 + 4 * (numel // local) // 128
         digest_bytes = 8  # the setup check: one int64 per rank
         steps = 2
         assert default["counted"] == {
-            "all_gather": steps * weight_bytes + digest_bytes,
+            "all_gather": steps * (weight_bytes + weight_intra_bytes) + digest_bytes,
             "all_to_all": steps * (intra_bytes + inter_bytes),
             "reduce_scatter": 0,  # nothing falls back to the fp32 reduce-scatter
         }
         stats = default["stats"]
-        assert (stats["weight_bytes"], stats["grad_intra_bytes"], stats["grad_inter_bytes"]) == (
-            weight_bytes,
-            intra_bytes,
-            inter_bytes,
-        )
-        assert stats["weight_bits_per_element"] == 4 + 32 / 2048
+        assert (
+            stats["weight_bytes"],
+            stats["weight_intra_bytes"],
+            stats["grad_intra_bytes"],
+            stats["grad_inter_bytes"],
+        ) == (weight_bytes, weight_intra_bytes, intra_bytes, inter_bytes)
+        assert stats["weight_bits_per_element"] == stats["weight_intra_bits_per_element"] == 4 + 32 / 2048
         assert stats["grad_intra_bits_per_element"] == 8.25
         assert stats["grad_inter_bits_per_element"] == 4.25
-        uncompressed = 2 * shard + 4 * numel
+        uncompressed = 2 * shard * (1 + nodes) + 4 * numel  # the plain all-gather goes in two levels too
         assert stats["step_uncompressed_bytes"] == uncompressed
-        assert stats["compression_ratio"] == uncompressed / (weight_bytes + intra_bytes + inter_bytes)
+        wire = weight_bytes + weight_intra_bytes + intra_bytes + inter_bytes
+        assert stats["compression_ratio"] == uncompressed / wire
         assert stats["total_bytes"] == steps * stats["step_bytes"]
 
         small = result["small"]

@@ -14,7 +14,8 @@ Checks:
   per-batch broadcast routed through the emulated world link, and writes the same text to
   --markdown. Its figures are not timings and nothing here asserts on them;
 - on a GPU, the middle stage of two-level exchanges queued on the engine's exchange stream gives
-  the host-driven exchange's gradient shards bit for bit, with several exchanges in flight.
+  the host-driven exchange's gradient shards bit for bit, with several exchanges in flight, and
+  the second stage of two-level weight all-gathers (qWD and plain) the host-driven weights.
 """
 
 import subprocess
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 import lightning_sdp4bit.comm as comm
 from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
-from lightning_sdp4bit.collectives import TwoLevelGradReduceScatter
+from lightning_sdp4bit.collectives import PlainWeightAllGather, QuantizedWeightAllGather, TwoLevelGradReduceScatter
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import shard_alignment
 from lightning_sdp4bit.schedule import exchange_stream
@@ -151,6 +152,7 @@ def test_dry_run_prints_every_table(tmp_path):
             "plain (no strategy)",
             "DDP, overlapped",
             "DDP, not overlapped",
+            "DDP, two-level all-reduce, overlapped",
             "baseline",
             "sdp4bit",
             "Trainer + sdp4bit",
@@ -192,3 +194,44 @@ def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards():
             shards[stream is None] = [bucket.grad_shard.clone() for bucket in buckets]
     for host_driven, on_stream in zip(shards[True], shards[False], strict=True):
         assert torch.equal(host_driven.view(torch.int32), on_stream.view(torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: the exchange stream exists on CUDA only")
+@pytest.mark.parametrize("quantized", [True, False], ids=["qWD", "plain"])
+def test_the_weight_all_gathers_second_stage_on_the_exchange_stream_gives_the_host_driven_weights(quantized):
+    """Four buckets' two-level weight all-gathers in flight at once (each stage waiting on the
+    GPU for its bytes), behind matmuls on the compute stream: with the intra-node stage and the
+    copy into rank order queued on the exchange stream, the weights equal the host-driven ones."""
+    device = torch.device("cuda")
+    topology = Topology(0, 8, 4)
+    network = Network(device, topology)
+    network.set_rates(1.0, 0.5)
+    config = SDP4BitConfig(rounding="nearest")
+    params = {f"p{i}": torch.nn.Parameter(torch.zeros(8 * 4096, dtype=torch.bfloat16, device=device)) for i in range(4)}
+    layouts = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in params.items()], 8, 1, shard_alignment(config))
+    buckets = allocate_buckets(layouts, params, 0)
+    generator = torch.Generator(device).manual_seed(0)
+    weights = [torch.randn(b.layout.numel, generator=generator, device=device).bfloat16() for b in buckets]
+    masters = [torch.randn(b.master.shape, generator=generator, device=device) for b in buckets]
+    results = {}
+    with network.install():
+        for stream in (None, exchange_stream(device)):
+            groups = network.groups()
+            if quantized:
+                collective = QuantizedWeightAllGather(config, topology, groups, WireMeter(), True, stream)
+            else:
+                collective = PlainWeightAllGather(topology, groups, WireMeter(), stream)
+            pending = []
+            for step, (bucket, weight, master) in enumerate(zip(buckets, weights, masters, strict=True)):
+                bucket.weights.copy_(weight)
+                bucket.master.copy_(master)
+                busy = torch.randn(2048, 2048, device=device)
+                for _ in range(8):
+                    busy = busy @ busy / 2048
+                pending.append(collective.start(bucket, step))
+                del busy
+            for exchange in pending:
+                exchange.wait()
+            results[stream is None] = [bucket.weights.clone() for bucket in buckets]
+    for host_driven, on_stream in zip(results[True], results[False], strict=True):
+        assert torch.equal(host_driven.view(torch.int16), on_stream.view(torch.int16))

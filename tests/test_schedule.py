@@ -4,6 +4,7 @@
   second stages go out in bucket order whichever first stage completes first;
 - weight exchanges go out last bucket first; with a prefetch of k only k start at once, and a
   wait starts the due ones up to k past the bucket it waits for; without, all start at once;
+- weight exchanges complete in launch order, and a wait moves the later ones on in that order;
 - landed weights are reported once per bucket, and a new window needs the exchanges finished.
 """
 
@@ -85,7 +86,24 @@ def test_weight_exchanges_go_out_last_bucket_first_and_prefetch(prefetch):
     schedule.wait_weights([3])  # the second module's forward
     started = [name[1] for kind, name in log if kind == "start"]
     assert started == [4, 3, 2, 1, 0][: 2 + (prefetch or 3)]
-    assert landed == [3] and schedule.weight_phase[3] is WeightPhase.CURRENT
+    assert landed == [4, 3] and schedule.weight_phase[3] is WeightPhase.CURRENT  # launch order
     schedule.wait_weights()
     assert sorted(landed) == [0, 1, 2, 3, 4] and schedule.weights_current
     assert [name[1] for kind, name in log if kind == "start"] == [4, 3, 2, 1, 0]
+
+
+def test_weight_exchanges_complete_in_launch_order_and_later_ones_move_on_in_order():
+    """A module that runs out of order (bucket 1 before 3) must not let this rank send a
+    two-level all-gather's second stage before an earlier-launched one's: other ranks may
+    send them in launch order, and same-size buckets would swap payloads."""
+    schedule, log, landed, exchanges = _schedule(5)
+    schedule.start_weights()  # launch order 4, 3, 2, 1, 0
+    exchanges[("weight", 1)].stage_done = exchanges[("weight", 0)].stage_done = True
+    schedule.wait_weights([3])
+    assert landed == [4, 3]
+    assert not any(entry[0] == "stage2" for entry in log)  # bucket 2 has not moved on: 1 and 0 wait
+    exchanges[("weight", 2)].stage_done = True
+    schedule.wait_weights([2])
+    assert [entry for entry in log if entry[0] == "stage2"] == [("stage2", ("weight", i)) for i in (1, 0)]
+    schedule.wait_weights([0])  # out of order: 1 completes first
+    assert landed == [4, 3, 2, 1, 0] and schedule.weights_current
