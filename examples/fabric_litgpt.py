@@ -71,10 +71,10 @@ def main(argv: list[str]) -> None:
     # Data: byte windows; Fabric adds the DistributedSampler, so each process sees its own part.
     tokens = load_tokens(None)
     boundary = val_start(len(tokens), 0.05, args.block_size)
-    train = DataLoader(
-        TokenWindows(tokens, args.block_size, stop=boundary), batch_size=args.batch_size, shuffle=True, drop_last=True
-    )
-    val = DataLoader(TokenWindows(tokens, args.block_size, start=boundary), batch_size=args.batch_size)
+    pin = fabric.device.type == "cuda"  # pageable batches are copied to the GPU with a stream synchronisation
+    windows = TokenWindows(tokens, args.block_size, stop=boundary)
+    train = DataLoader(windows, batch_size=args.batch_size, shuffle=True, drop_last=True, pin_memory=pin)
+    val = DataLoader(TokenWindows(tokens, args.block_size, start=boundary), batch_size=args.batch_size, pin_memory=pin)
     train, val = fabric.setup_dataloaders(train, val)
 
     config = Config(

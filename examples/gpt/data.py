@@ -172,9 +172,18 @@ class TokenDataModule(L.LightningDataModule):
         self.val_set = TokenWindows(tokens, block_size, start=boundary)
         self.batch_size = batch_size
 
+    def _pin(self) -> bool:
+        # A batch in pageable memory is copied to the GPU with a stream synchronisation: the host
+        # then waits for the previous step to end before it can launch the next forward, and the
+        # weight all-gathers in flight can no longer overlap it. From pinned memory the copy is
+        # asynchronous.
+        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+
     def train_dataloader(self) -> DataLoader:
         # drop_last: every step sees full batches, the same number of tokens on every process
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, pin_memory=self._pin()
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False)
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, pin_memory=self._pin())
