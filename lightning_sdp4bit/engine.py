@@ -338,8 +338,7 @@ class ShardedEngine:
         if self._grad_versions() != self._norm_versions:
             norm = global_squares([b.grad_shard for b in self.buckets], self.groups.world).sqrt()[0]
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for bucket in self.buckets:
-            bucket.grad_shard.mul_(coefficient)
+        torch._foreach_mul_([bucket.grad_shard for bucket in self.buckets], coefficient)
         self._norm_versions = None
         return norm
 
