@@ -17,7 +17,8 @@ bytes / bandwidth). Scenarios (bandwidth per GPU, GB/s = 1e9 bytes/s):
 - ib400: 400 Gb/s InfiniBand per GPU (50 GB/s) across nodes, NVLink inside;
 - eth100: 100 Gb/s per node, shared by its --ranks-per-node GPUs (3.125 GB/s each with 4);
 - custom: --link-gbps Gb/s per GPU across nodes.
-Rows: plain (the same model and optimizer without any strategy: the floor); DDP computed from
+Rows: plain (the same model and optimizer without any strategy: the floor), measured first and
+again after every other row (the GPU's clocks drift over a run by a few percent); DDP computed from
 the plain step and a bf16 ring all-reduce of every gradient, 2(W-1)/W * 2 bytes * params at the
 world link's rate, perfectly overlapped (max) or not (sum); the engine (lightning_sdp4bit.engine)
 driven directly per preset, and qw+ulq (ZeRO++-like: qW weights, ULq 4-bit gradients); and
@@ -240,8 +241,9 @@ def _fmt(value: float, digits: int = 1) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
-def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dict], args) -> str:
-    """`runs`: row -> {"compute": result, scenario.name: result} for the scenario's topology."""
+def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dict], args, plain_last: dict) -> str:
+    """`runs`: row -> {"compute": result, scenario.name: result} for the scenario's topology;
+    `plain_last`: the plain step measured again after every row (the run's drift)."""
     world, one_node = args.world, scenario.name == "nvlink"
     world_gbs = scenario.nvlink_gbs if one_node else scenario.nic_gbs
     ddp_comm = 2 * (world - 1) / world * 2 * plain["params"] / world_gbs / 1e6  # ms
@@ -250,6 +252,7 @@ def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dic
     zero = {"intra": 0.0, "inter": 0.0, "world": 0.0, "nvlink": 0.0, "nic": 0.0}
     rows = [
         ("plain (no strategy)", plain["step_ms"], plain["step_ms"], zero, plain["peak_gib"]),
+        ("plain, again after every row", plain_last["step_ms"], plain_last["step_ms"], zero, plain_last["peak_gib"]),
         ("DDP, overlapped", ddp_ideal, plain["step_ms"], {**zero, "world": ddp_comm}, math.nan),
         ("DDP, not overlapped", plain["step_ms"] + ddp_comm, plain["step_ms"], {**zero, "world": ddp_comm}, math.nan),
     ]
@@ -286,6 +289,8 @@ def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dic
         "",
         f"DDP: {plain['params'] / 1e6:.0f}M bf16 gradients all-reduced, {ddp_comm:.1f} ms at {world_gbs:g} GB/s. "
         "The link bound charges the world lane to the link it crosses (NVLink on one node, else the NIC).",
+        f"The plain step took {plain['step_ms']:.1f} ms before the other rows and {plain_last['step_ms']:.1f} ms "
+        "after them: rows closer than that drift are even.",
         *([] if hierarchical is None else [_HIERARCHICAL_NOTE]),
         *notes,
         "",
@@ -406,7 +411,7 @@ def measure_model(model: str, args, device: torch.device) -> list[str]:
         "one node": [s for s in args.scenarios if s == "nvlink"],
         "nodes": [s for s in args.scenarios if s != "nvlink"],
     }
-    tables = []
+    measured = []
     for key, scenarios in topologies.items():
         if not scenarios:
             continue
@@ -420,7 +425,13 @@ def measure_model(model: str, args, device: torch.device) -> list[str]:
             print(f"{model}: {row}, {key} ({', '.join(scenarios)})", file=sys.stderr)
             trace = _trace_path(args, model, row, scenarios[-1])
             runs[row] = run(spec, preset, topology, phases, args, device, trace)
-        tables += [scenario_table(model, p, plain, runs, args) for p in phases[1:]]
+        measured.append((phases, runs))
+    # Again at the end: the GPU's clocks drift over a run by as much as the differences measured.
+    print(f"{model}: plain step, again", file=sys.stderr)
+    plain_last = run_plain(spec, args, device, None)
+    tables = []
+    for phases, runs in measured:
+        tables += [scenario_table(model, p, plain, runs, args, plain_last) for p in phases[1:]]
     return tables
 
 

@@ -150,6 +150,7 @@ def test_dry_run_prints_every_table(tmp_path):
         rows = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines() if line.startswith("| ")][1:]
         assert rows == [
             "plain (no strategy)",
+            "plain, again after every row",
             "DDP, overlapped",
             "DDP, not overlapped",
             "DDP, two-level all-reduce, overlapped",
