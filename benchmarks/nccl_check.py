@@ -36,7 +36,7 @@ from models import batch, make_model  # noqa: E402  (the tests' tiny transformer
 
 from lightning_sdp4bit import SDP4BitConfig  # noqa: E402
 from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets  # noqa: E402
-from lightning_sdp4bit.collectives import QuantizedWeightAllGather, TwoLevelGradReduceScatter  # noqa: E402
+from lightning_sdp4bit.collectives import TwoLevelGradReduceScatter  # noqa: E402
 from lightning_sdp4bit.engine import ShardedEngine  # noqa: E402
 from lightning_sdp4bit.reference.simulate import (  # noqa: E402
     simulate_two_level_reduce_scatter,
@@ -45,6 +45,7 @@ from lightning_sdp4bit.reference.simulate import (  # noqa: E402
 from lightning_sdp4bit.schedule import exchange_stream  # noqa: E402
 from lightning_sdp4bit.stats import WireMeter  # noqa: E402
 from lightning_sdp4bit.topology import Topology, create_process_groups  # noqa: E402
+from lightning_sdp4bit.weight_collectives import QuantizedWeightAllGather  # noqa: E402
 
 
 def _bucket(world, rank, numel, dtype, device, alignment):

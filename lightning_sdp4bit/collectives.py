@@ -1,4 +1,5 @@
-"""The two collectives of sharded data parallelism, each behind one small interface.
+"""The two collectives of sharded data parallelism, each behind one small interface, and the
+gradient side of them (the weight side is `lightning_sdp4bit.weight_collectives`).
 
 - `GradReduceScatter.start(bucket, grads, scale, step)`: from the window gradients [N] (fp32 or
   the weights' dtype, summed over ranks after multiplying by `scale` = 1/world in fp32) to this
@@ -25,22 +26,22 @@ import torch
 
 from lightning_sdp4bit import comm, ops
 from lightning_sdp4bit.buffers import Bucket
-from lightning_sdp4bit.config import SDP4BitConfig, WeightQuant
+from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.reference.ops import stage_seed
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = [
     "GradReduceScatter",
-    "grad_collective_for",
-    "weight_collective_for",
     "Pending",
     "PlainGradReduceScatter",
-    "PlainWeightAllGather",
-    "QuantizedWeightAllGather",
+    "Seeds",
+    "SingleStage",
     "Stage",
     "TwoLevelGradReduceScatter",
     "WeightAllGather",
+    "compresses",
+    "grad_collective_for",
 ]
 
 
@@ -69,7 +70,7 @@ class WeightAllGather(Protocol):
     def start(self, bucket: Bucket, step: int) -> Pending: ...
 
 
-class _Single:
+class SingleStage:
     """A one-stage exchange: wait for the work, then run `finish` (if any)."""
 
     def __init__(self, work: Any, finish: Callable[[], None] | None = None, keepalive: Any = None):
@@ -87,7 +88,7 @@ class _Single:
         self._keepalive = None
 
 
-class _Seeds:
+class Seeds:
     """Stochastic-rounding seeds, distinct per (step, bucket, rank, stage) and reproducible."""
 
     def __init__(self, config: SDP4BitConfig, rank: int):
@@ -97,18 +98,99 @@ class _Seeds:
         return stage_seed(self._base, step, bucket.layout.index, self._rank, int(stage))
 
 
-class PlainGradReduceScatter:
-    """fp32 reduce-scatter over all ranks: the uncompressed path."""
+class TwoStage:
+    """The skeleton of an exchange of two collectives on two groups, the second taking the first's
+    result. A subclass launches stage 1 (setting `_work`) and calls `_begin(stream)`; it defines
+    `_second_stage()` (launch stage 2, setting `_work`) and `_complete()` (what follows stage 2, on
+    the caller's stream). With a `stream` (CUDA), stage 2 is queued on it at once behind a
+    device-side wait for stage 1: it goes out as soon as the data lands, with neither the host nor
+    the compute stream waiting. Without one (the CPU, where a wait blocks the host), `progress`
+    launches it once stage 1 has completed, or `wait` does."""
 
-    def __init__(self, groups: ProcessGroups, meter: WireMeter):
-        self._group, self._meter = groups.world, meter
+    _work: Any
+
+    def _begin(self, stream: torch.cuda.Stream | None) -> None:
+        self._stream, self._staged, self._completed = stream, False, False
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                self._advance()
+
+    def _advance(self) -> None:
+        self._staged = True
+        self._work.wait()
+        self._second_stage()
+
+    def _second_stage(self) -> None:
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        raise NotImplementedError
+
+    def progress(self) -> bool:
+        if not self._staged:
+            if not self._work.is_completed():
+                return False
+            self._advance()
+        return True
+
+    def wait(self) -> None:
+        if not self._staged:
+            self._advance()
+        if not self._completed:
+            self._completed = True
+            self._complete()
+
+
+class PlainGradReduceScatter:
+    """fp32 reduce-scatter: the uncompressed path. Over the world, or in two levels when there are
+    several nodes of several ranks (`_TwoLevelReduceScatter`)."""
+
+    def __init__(
+        self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None = None
+    ):
+        self.topology, self.groups, self.meter, self.stream = topology, groups, meter, stream
+        self.two_level = topology.has_intra_stage and topology.has_inter_stage
 
     def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
+        if self.two_level:
+            return _TwoLevelReduceScatter(self, bucket, grads, scale)
         source = grads.float()  # the same tensor when it is fp32 already: the exchange owns it
         source.mul_(scale)
-        work = comm.reduce_scatter(bucket.grad_shard, source, group=self._group, async_op=True)
-        self._meter.record("grad_reduce_scatter", source.nbytes, source.numel(), source.nbytes)
-        return _Single(work, keepalive=source)
+        work = comm.reduce_scatter(bucket.grad_shard, source, group=self.groups.world, async_op=True)
+        self.meter.record("grad_reduce_scatter", source.nbytes, source.numel(), source.nbytes)
+        return SingleStage(work, keepalive=source)
+
+
+class _TwoLevelReduceScatter(TwoStage):
+    """Inside the node, then across nodes. Rank (node m, local l) owns chunk m * L + l of the
+    bucket [M, L, S]. Stage 1: the node's L ranks reduce-scatter the bucket laid out local-major
+    [L, M, S] (one transposed copy, which is also the conversion to fp32 and the 1/world), so that
+    rank l holds the node's sums of chunks (m, l) for every m, [M, S]. Stage 2: the M ranks at
+    local index l reduce-scatter those: chunk (m, l) summed over every rank. Each GPU's NIC
+    carries (M - 1) / M of [M, S] instead of (W - 1) / W of the whole bucket. The sums are taken in
+    another order than a flat reduce-scatter's: equal up to rounding, not bit for bit."""
+
+    def __init__(self, owner: PlainGradReduceScatter, bucket: Bucket, grads: torch.Tensor, scale: float):
+        topo = owner.topology
+        nodes, local, shard = topo.nodes, topo.ranks_per_node, bucket.layout.shard_numel
+        self._owner, self._bucket = owner, bucket
+        self._source = torch.empty((local, nodes, shard), dtype=torch.float32, device=grads.device)
+        self._source.copy_(grads.view(nodes, local, shard).transpose(0, 1))
+        self._source.mul_(scale)
+        self._partial = self._source.new_empty(nodes * shard)
+        self._work = comm.reduce_scatter(self._partial, self._source.view(-1), group=owner.groups.intra, async_op=True)
+        owner.meter.record("grad_reduce_scatter", self._source.nbytes, self._source.numel(), self._source.nbytes)
+        # The second stage's input counts too (its uncompressed figure is itself).
+        owner.meter.record("grad_reduce_scatter", self._partial.nbytes, self._partial.numel(), self._partial.nbytes)
+        self._begin(owner.stream)
+
+    def _second_stage(self) -> None:
+        group = self._owner.groups.inter
+        self._work = comm.reduce_scatter(self._bucket.grad_shard, self._partial, group=group, async_op=True)
+
+    def _complete(self) -> None:
+        self._work.wait()  # on the caller's stream: the shard is read after this
+        self._source = self._partial = None
 
 
 class TwoLevelGradReduceScatter:
@@ -142,7 +224,7 @@ class TwoLevelGradReduceScatter:
         if topology.world_size == 1:
             raise ValueError("the two-level reduce-scatter needs at least two ranks")
         self.config, self.topology, self.groups, self.meter = config, topology, groups, meter
-        self.seeds = _Seeds(config, rank)
+        self.seeds = Seeds(config, rank)
         self.stream = stream
 
     def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
@@ -207,7 +289,9 @@ class _TwoLevelExchange:
         self._work = comm.all_to_all(self._received, payload, group=owner.groups.inter, async_op=True)
         self._sent = payload
         self._bits = config.grad_inter_bits
-        owner.meter.record("grad_inter", payload.nbytes, topo.nodes * self._bucket.layout.shard_numel, 0)
+        # Uncompressed, the second stage would carry the same [M, S] in fp32 (PlainGradReduceScatter).
+        elements = topo.nodes * self._bucket.layout.shard_numel
+        owner.meter.record("grad_inter", payload.nbytes, elements, 4 * elements)
 
     def wait(self) -> None:
         if self._needs_second_stage:
@@ -229,154 +313,7 @@ class _TwoLevelExchange:
         self._received = None
 
 
-class _RowGather:
-    """All-gather one row [R] per rank into rows [W, R], in rank order: flat over the world, or
-    in two levels when there are several nodes of several ranks (`_TwoLevelGather`).
-
-    Why two levels: a flat all-gather brings each rank the W - 1 other rows, all charged to the
-    network when the group spans nodes. Gathering first across nodes (the M ranks at this local
-    index: M - 1 rows over the NIC) and then inside the node (the L ranks' [M, R] blocks over
-    NVLink) brings the same rows with 1/L of them crossing the NIC: for 2 nodes x 4 a 4-bit
-    weight all-gather moved 7/8 of a bucket's payload over each rank's NIC and now moves 1/8.
-    The rows, and so every bit of the weights, are the same.
-    """
-
-    def __init__(self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None):
-        self.topology, self.groups, self.meter, self.stream = topology, groups, meter, stream
-        self.two_level = topology.has_intra_stage and topology.has_inter_stage
-
-    def start(
-        self,
-        rows: torch.Tensor,
-        row: torch.Tensor,
-        elements: int,
-        uncompressed: int,
-        finish: Callable[[], None] | None = None,
-    ) -> Pending:
-        """`row` [R] (a fresh tensor: the exchange keeps it alive) stands for `elements` values
-        that would travel as `uncompressed` bytes; `finish` runs once `rows` [W, R] is complete."""
-        self.meter.record("weight", row.nbytes, elements, uncompressed)
-        if self.two_level:
-            # Counted now, with the step that sends it, although on the CPU it goes out later.
-            nodes = self.topology.nodes
-            self.meter.record("weight_intra", nodes * row.nbytes, nodes * elements, nodes * uncompressed)
-            return _TwoLevelGather(self, rows, row, finish)
-        work = comm.all_gather(rows.view(-1), row, group=self.groups.world, async_op=True)
-        return _Single(work, finish, keepalive=row)
-
-
-class _TwoLevelGather:
-    """Stage 1 at start: the inter-node all-gather of `row` -> [M, R] (this local index's rows, by
-    node). Stage 2: the intra-node all-gather of those blocks -> [L, M, R] (local-major), then a
-    transposed copy into `rows` viewed [M, L, R] (rank = node * L + local). With a `stream`
-    (CUDA) stage 2 is queued on it at start behind a device-side wait for stage 1, as the
-    gradients' middle stage is; without one (the CPU) it goes out from `progress` once stage 1
-    has completed, or from `wait`."""
-
-    def __init__(self, owner: _RowGather, rows: torch.Tensor, row: torch.Tensor, finish: Callable[[], None] | None):
-        topo = owner.topology
-        self._owner, self._rows, self._finish = owner, rows, finish
-        self._sent: torch.Tensor | None = row  # the tensors stay alive until the rows are complete
-        self._across: torch.Tensor | None = row.new_empty((topo.nodes, row.numel()))
-        self._node: torch.Tensor | None = None
-        self._staged = False  # stage 2 has gone out
-        self._work = comm.all_gather(self._across.view(-1), row, group=owner.groups.inter, async_op=True)
-        self._landed: torch.cuda.Event | None = None
-        if owner.stream is not None:
-            with torch.cuda.stream(owner.stream):
-                self._second_stage()
-
-    def progress(self) -> bool:
-        if not self._staged:
-            if not self._work.is_completed():
-                return False
-            self._second_stage()
-        return True
-
-    def _second_stage(self) -> None:
-        owner, topo, across = self._owner, self._owner.topology, self._across
-        self._staged = True
-        self._work.wait()
-        self._node = across.new_empty((topo.ranks_per_node, topo.nodes, across.shape[1]))
-        self._work = comm.all_gather(self._node.view(-1), across.view(-1), group=owner.groups.intra, async_op=True)
-        if owner.stream is not None:
-            self._place()
-            self._landed = torch.cuda.Event()
-            self._landed.record()
-
-    def _place(self) -> None:
-        """Wait for stage 2 (on the current stream), then copy the blocks into rank order."""
-        self._work.wait()
-        topo = self._owner.topology
-        self._rows.view(topo.nodes, topo.ranks_per_node, -1).copy_(self._node.transpose(0, 1))
-
-    def wait(self) -> None:
-        if not self._staged:
-            self._second_stage()
-        if self._sent is None:
-            return
-        if self._landed is not None:
-            # All of stage 2 ran on the side stream, after both collectives: once the caller's
-            # stream waits for it, the tensors may go back to the allocator in its order.
-            torch.cuda.current_stream().wait_event(self._landed)
-        else:
-            self._place()
-        self._sent = self._across = self._node = None
-        if self._finish is not None:
-            self._finish()
-
-
-class PlainWeightAllGather:
-    """All-gather the master shards, rounded to the weights' dtype, straight into the weights."""
-
-    def __init__(
-        self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None = None
-    ):
-        self._gather = _RowGather(topology, groups, meter, stream)
-
-    def start(self, bucket: Bucket, step: int) -> Pending:
-        # A fresh tensor even when the dtypes match: the input must not alias the output.
-        source = bucket.master.to(bucket.weights.dtype, copy=True)
-        rows = bucket.weights.view(bucket.layout.world_size, -1)
-        return self._gather.start(rows, source, source.numel(), source.nbytes)
-
-
-class QuantizedWeightAllGather:
-    """qWD (additive=True) or qW (additive=False): all-gather quantized codes and scales, then
-    every rank, the sender included, dequantizes them into its weights in place."""
-
-    def __init__(
-        self,
-        config: SDP4BitConfig,
-        topology: Topology,
-        groups: ProcessGroups,
-        meter: WireMeter,
-        additive: bool,
-        stream: torch.cuda.Stream | None = None,
-    ):
-        self.config, self._additive = config, additive
-        self._gather = _RowGather(topology, groups, meter, stream)
-        self._seeds = _Seeds(config, topology.rank)
-
-    def start(self, bucket: Bucket, step: int) -> Pending:
-        config = self.config
-        reference = bucket.weight_shard if self._additive else None
-        seed = self._seeds(step, bucket, Stage.WEIGHT_ENCODE)
-        payload = ops.weight_update_encode(
-            bucket.master, reference, config.weight_bits, config.weight_group_size, config.rounding, seed
-        )
-        gathered = payload.new_empty((bucket.layout.world_size, payload.shape[1]))
-        shard = bucket.layout.shard_numel
-
-        def apply() -> None:
-            ops.weight_update_apply(
-                gathered, bucket.weights, config.weight_bits, config.weight_group_size, self._additive
-            )
-
-        return self._gather.start(gathered, payload.view(-1), shard, shard * bucket.weights.element_size(), apply)
-
-
-def _compresses(bucket: Bucket, config: SDP4BitConfig, topology: Topology) -> bool:
+def compresses(bucket: Bucket, config: SDP4BitConfig, topology: Topology) -> bool:
     """Whether a bucket is quantized. With one rank nothing travels, so nothing is; buckets
     under `min_compress_numel` travel uncompressed, and are logged so as never to be silent."""
     if topology.world_size == 1:
@@ -403,21 +340,6 @@ def grad_collective_for(
     stream: torch.cuda.Stream | None = None,
 ) -> GradReduceScatter:
     """The gradient exchange `config` asks for this bucket (`stream`: see TwoLevelGradReduceScatter)."""
-    if config.compresses_grads and _compresses(bucket, config, topology):
+    if config.compresses_grads and compresses(bucket, config, topology):
         return TwoLevelGradReduceScatter(config, topology, groups, meter, topology.rank, stream)
-    return PlainGradReduceScatter(groups, meter)
-
-
-def weight_collective_for(
-    bucket: Bucket,
-    config: SDP4BitConfig,
-    topology: Topology,
-    groups: ProcessGroups,
-    meter: WireMeter,
-    stream: torch.cuda.Stream | None = None,
-) -> WeightAllGather:
-    """The weight exchange `config` asks for this bucket (`stream`: see `_TwoLevelGather`)."""
-    if config.compresses_weights and _compresses(bucket, config, topology):
-        additive = config.weight_quant is WeightQuant.DIFF
-        return QuantizedWeightAllGather(config, topology, groups, meter, additive, stream)
-    return PlainWeightAllGather(topology, groups, meter, stream)
+    return PlainGradReduceScatter(topology, groups, meter, stream)

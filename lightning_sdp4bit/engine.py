@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, layout_signature, plan_buckets
-from lightning_sdp4bit.collectives import Pending, grad_collective_for, weight_collective_for
+from lightning_sdp4bit.collectives import Pending, grad_collective_for
 from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, auto_bucket_numel
 from lightning_sdp4bit.guards import NonFiniteGradientError, SkippedSteps, StepVerdict, decide_step, global_squares
 from lightning_sdp4bit.module_hooks import register_hooks
@@ -42,6 +42,7 @@ from lightning_sdp4bit.optim import shard_optimizer
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, exchange_stream
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
+from lightning_sdp4bit.weight_collectives import weight_collective_for
 
 __all__ = ["MasterFragment", "ShardedEngine", "shard_alignment"]
 

@@ -52,7 +52,7 @@ def exchange_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The one side stream of an engine on a GPU (None elsewhere): the middle stage of every
     two-level gradient exchange and the second stage of every two-level weight all-gather are
     queued there, ordered by the network's completion events rather than by the host
-    (`collectives.TwoLevelGradReduceScatter`, `collectives._TwoLevelGather`). The compute stream
+    (`collectives.TwoStage`). The compute stream
     waits on it only where a result is needed: the gradient shards in `finish_grads`, a
     bucket's weights in its wait."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None

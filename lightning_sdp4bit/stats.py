@@ -31,8 +31,8 @@ class WireMeter:
 
     def record(self, kind: str, nbytes: int, elements: int, uncompressed_nbytes: int) -> None:
         """Count one collective: `nbytes` passed for `elements` values that would cost
-        `uncompressed_nbytes` uncompressed (0 for the second stage of the two-level reduce-scatter,
-        whose uncompressed counterpart, one reduce-scatter, is already counted with the first)."""
+        `uncompressed_nbytes` uncompressed (what the uncompressed path would pass for the same
+        stage: with several nodes of several ranks it goes in two levels as well)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         self._bytes[kind] += nbytes

@@ -148,8 +148,9 @@ def test_losing_a_host_fails_every_other_rank_quickly(three_by_one_losing_a_host
     for host, (code, elapsed, log) in enumerate(zip(run["codes"], run["elapsed"], run["logs"], strict=True)):
         assert code != 0, log
         assert elapsed < 4 * COLLECTIVE_TIMEOUT_S, (elapsed, log)
-        # torchrun's summary lists the failed worker of this host with its global rank.
-        assert f"rank      : {host} (local_rank: 0)" in log, log
+        # torchrun's summary lists the failed worker of this host with its global rank, unless the
+        # agent lost the rendezvous store first (host 0's agent holds it and may exit before).
+        assert f"rank      : {host} (local_rank: 0)" in log or "RendezvousConnectionError" in log, log
         assert any(s in log for s in ("Connection closed by peer", "Connection reset by peer", "10.231.0.3")), log
         # The strategy names the ranks at the broken connection's far end (usually host 2's rank
         # 2; a survivor that fails later may see the first survivor's connection break instead).

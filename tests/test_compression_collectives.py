@@ -17,16 +17,12 @@ from torch import nn
 
 from lightning_sdp4bit import SDP4BitConfig, comm
 from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
-from lightning_sdp4bit.collectives import (
-    PlainWeightAllGather,
-    QuantizedWeightAllGather,
-    Stage,
-    TwoLevelGradReduceScatter,
-)
+from lightning_sdp4bit.collectives import PlainGradReduceScatter, Stage, TwoLevelGradReduceScatter
 from lightning_sdp4bit.reference.ops import payload_row_bytes, stage_seed
 from lightning_sdp4bit.reference.simulate import simulate_two_level_reduce_scatter, simulate_weight_all_gather
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology, create_process_groups
+from lightning_sdp4bit.weight_collectives import PlainWeightAllGather, QuantizedWeightAllGather
 
 GRID = list(itertools.product([(8, 4), (4, 4), (2, 8)], [32, 128], [0, 32]))  # (intra, inter bits), group, H
 
@@ -171,6 +167,46 @@ def test_weight_all_gathers_equal_the_simulation_and_cross_nodes_once(world, ran
                 assert sent == {"world": row}, name
             else:
                 assert sent == {"inter": row, "intra": 2 * row}, name
+
+
+def _plain_reduce_scatter(rank, world, ranks_per_node):
+    """The uncompressed reduce-scatter on one topology: (shard, {group: input bytes})."""
+    topology = Topology(rank, world, ranks_per_node)
+    groups = create_process_groups(topology)
+    names = {id(groups.intra): "intra", id(groups.inter): "inter", id(groups.world): "world"}
+    sent: dict[str, int] = {}
+    original = comm.reduce_scatter
+
+    def counting(output, input, group=None, async_op=False):
+        sent[names[id(group)]] = sent.get(names[id(group)], 0) + input.nbytes
+        return original(output, input, group=group, async_op=async_op)
+
+    bucket = make_bucket(world, rank, 3000, dtype=torch.bfloat16)
+    grads = [g.bfloat16() for g in _grads(world, bucket.layout.numel, 7)]
+    comm.reduce_scatter = counting
+    try:
+        pending = PlainGradReduceScatter(topology, groups, WireMeter()).start(bucket, grads[rank], 1 / world, 0)
+        pending.progress()
+        pending.wait()
+    finally:
+        comm.reduce_scatter = original
+    return bucket.grad_shard.clone(), sent
+
+
+@pytest.mark.parametrize("world, ranks_per_node", TOPOLOGIES)
+def test_plain_reduce_scatter_gives_each_rank_its_shard_of_the_mean_and_crosses_nodes_once(world, ranks_per_node):
+    """Each rank's own contiguous shard of the mean, on every topology (to fp32 rounding: the
+    two-level sums go in another order). With 2 nodes x 2 it goes inside the node first (the whole
+    bucket in fp32) and then across nodes (this local index's [nodes, S])."""
+    numel = 3072  # 3000 padded to whole 128-groups per rank
+    grads = [g.bfloat16().float() for g in _grads(world, numel, 7)]
+    mean = torch.stack(grads).sum(0).view(world, -1) / world
+    for rank, (shard, sent) in enumerate(run_workers(_plain_reduce_scatter, world, ranks_per_node)):
+        torch.testing.assert_close(shard, mean[rank], rtol=1e-6, atol=1e-6)
+        if ranks_per_node in (1, world):
+            assert sent == {"world": 4 * numel}
+        else:
+            assert sent == {"intra": 4 * numel, "inter": 4 * numel // ranks_per_node}
 
 
 def _counterexample(rank, world, additive, steps, lr):

@@ -125,7 +125,9 @@ def test_bytes_on_the_wire_are_the_papers_figures(tmp_path):
         assert stats["weight_bits_per_element"] == stats["weight_intra_bits_per_element"] == 4 + 32 / 2048
         assert stats["grad_intra_bits_per_element"] == 8.25
         assert stats["grad_inter_bits_per_element"] == 4.25
-        uncompressed = 2 * shard * (1 + nodes) + 4 * numel  # the plain all-gather goes in two levels too
+        # The uncompressed path goes in two levels too: all-gather 2 * shard, then 2 * nodes * shard;
+        # reduce-scatter 4 * numel inside the node, then 4 * nodes * shard across nodes.
+        uncompressed = 2 * shard * (1 + nodes) + 4 * numel + 4 * nodes * shard
         assert stats["step_uncompressed_bytes"] == uncompressed
         wire = weight_bytes + weight_intra_bytes + intra_bytes + inter_bytes
         assert stats["compression_ratio"] == uncompressed / wire
@@ -133,7 +135,8 @@ def test_bytes_on_the_wire_are_the_papers_figures(tmp_path):
 
         small = result["small"]
         assert small["counted"]["all_to_all"] == 0
-        assert small["counted"]["reduce_scatter"] == steps * 4 * small["buckets"][0]
+        small_numel = small["buckets"][0]  # fp32, in two levels: the bucket, then its [nodes, S]
+        assert small["counted"]["reduce_scatter"] == steps * 4 * (small_numel + small_numel // local)
         assert small["stats"]["compression_ratio"] == 1.0
     assert any("travels uncompressed" in m for m in results[0]["messages"])
     metrics = (tmp_path / "default" / "version_0" / "metrics.csv").read_text().splitlines()

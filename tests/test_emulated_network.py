@@ -28,12 +28,13 @@ import torch.distributed as dist
 
 import lightning_sdp4bit.comm as comm
 from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
-from lightning_sdp4bit.collectives import PlainWeightAllGather, QuantizedWeightAllGather, TwoLevelGradReduceScatter
+from lightning_sdp4bit.collectives import PlainGradReduceScatter, TwoLevelGradReduceScatter
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import shard_alignment
 from lightning_sdp4bit.schedule import exchange_stream
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology
+from lightning_sdp4bit.weight_collectives import PlainWeightAllGather, QuantizedWeightAllGather
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -164,7 +165,8 @@ def test_dry_run_prints_every_table(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: the exchange stream exists on CUDA only")
-def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards():
+@pytest.mark.parametrize("quantized", [True, False], ids=["TLq", "plain"])
+def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards(quantized):
     """Four buckets' two-level exchanges in flight at once over slow emulated links (each stage
     waits on the GPU for its bytes), behind long matmuls on the compute stream and with the
     allocator reusing memory: with the middle stage queued on the exchange stream, every
@@ -182,7 +184,11 @@ def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards():
     shards = {}
     with network.install():
         for stream in (None, exchange_stream(device)):
-            collective = TwoLevelGradReduceScatter(config, topology, network.groups(), WireMeter(), 0, stream)
+            groups = network.groups()
+            if quantized:
+                collective = TwoLevelGradReduceScatter(config, topology, groups, WireMeter(), 0, stream)
+            else:
+                collective = PlainGradReduceScatter(topology, groups, WireMeter(), stream)
             pending = []
             for step, (bucket, grad) in enumerate(zip(buckets, grads, strict=True)):
                 busy = torch.randn(2048, 2048, device=device)

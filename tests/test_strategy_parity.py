@@ -53,7 +53,7 @@ def _check_optimizer_state_is_sharded(results):
     assert max(r["sdp4bit"]["optimizer_state_numel"] for r in results) <= 2 * shard_numel
 
 
-def _first_step_grads(rank, world, clip):
+def _first_step_grads(rank, world, clip, ranks_per_node=None):
     """Each strategy's averaged gradient at the first optimizer step, by parameter name, and the
     weights after that step (same data, same starting weights)."""
     from lightning.pytorch.callbacks import Callback
@@ -73,7 +73,8 @@ def _first_step_grads(rank, world, clip):
                     self.grads[name.removeprefix("model.")] = (frag.param_start, record.grad.clone())
 
     out = {}
-    for name, strategy in (("ddp", ddp()), ("sdp4bit", sdp4bit(preset="baseline"))):
+    nodes = {} if ranks_per_node is None else {"ranks_per_node": ranks_per_node}
+    for name, strategy in (("ddp", ddp()), ("sdp4bit", sdp4bit(preset="baseline", **nodes))):
         grab = Grab()
         module = TinyLMModule()
         trainer = make_trainer(
@@ -85,7 +86,17 @@ def _first_step_grads(rank, world, clip):
 
 
 def test_reduced_gradients_and_clipped_step_agree_within_summation_order_on_four_ranks():
-    results = run_workers(_first_step_grads, 4, 1.0)
+    _assert_agree_within_summation_order(run_workers(_first_step_grads, 4, 1.0))
+
+
+def test_the_two_level_uncompressed_path_agrees_with_ddp_on_two_nodes_of_two():
+    """With 2 nodes x 2 the uncompressed reduce-scatter goes inside the node, then across nodes,
+    and the all-gather the other way round: the same gradients and weights as DDP's, up to the
+    order of the sums."""
+    _assert_agree_within_summation_order(run_workers(_first_step_grads, 4, 1.0, 2))
+
+
+def _assert_agree_within_summation_order(results):
     for rank_result in results:
         full = rank_result["ddp"]["grads"]
         for name, (start, shard) in rank_result["sdp4bit"]["grads"].items():
