@@ -7,8 +7,10 @@ on the same topologies, in two levels (one row per rank across nodes) where ther
 nodes of several ranks; and the paper's Counterexample 4.1 through the library's weight
 all-gather."""
 
+import contextlib
 import itertools
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -104,20 +106,30 @@ def test_two_level_on_an_odd_number_of_nodes():
         assert mismatches == []
 
 
-def _weight_all_gathers(rank, world, ranks_per_node):
-    """qWD, qW and the plain all-gather on one topology: (name, equal to the simulation, master
-    untouched, {group: input bytes} through a patched comm.all_gather)."""
-    topology = Topology(rank, world, ranks_per_node)
-    groups = create_process_groups(topology)
-    # A stage that spans the world is the world group itself: that name wins.
+@contextlib.contextmanager
+def _bytes_by_group(collective: str, groups) -> Iterator[dict[str, int]]:
+    """Count the input bytes of `comm.<collective>` per group ("intra", "inter" or "world"; a stage
+    that spans the world is the world group itself, so that name wins) while the block runs."""
     names = {id(groups.intra): "intra", id(groups.inter): "inter", id(groups.world): "world"}
     sent: dict[str, int] = {}
-    original = comm.all_gather
+    original = getattr(comm, collective)
 
     def counting(output, input, group=None, async_op=False):
         sent[names[id(group)]] = sent.get(names[id(group)], 0) + input.nbytes
         return original(output, input, group=group, async_op=async_op)
 
+    setattr(comm, collective, counting)
+    try:
+        yield sent
+    finally:
+        setattr(comm, collective, original)
+
+
+def _weight_all_gathers(rank, world, ranks_per_node):
+    """qWD, qW and the plain all-gather on one topology: (name, equal to the simulation, master
+    untouched, {group: input bytes} through a patched comm.all_gather)."""
+    topology = Topology(rank, world, ranks_per_node)
+    groups = create_process_groups(topology)
     config = SDP4BitConfig(weight_bits=4, weight_group_size=256, rounding="nearest")
     results = []
     for name, additive in [("qWD", True), ("qW", False), ("plain", None)]:
@@ -139,14 +151,10 @@ def _weight_all_gathers(rank, world, ranks_per_node):
             expected = simulate_weight_all_gather(
                 masters, before, additive=additive, bits=4, group_size=256, rounding="nearest"
             )
-        sent.clear()
-        comm.all_gather = counting
-        try:
+        with _bytes_by_group("all_gather", groups) as sent:
             pending = collective.start(bucket, step=0)
             pending.progress()
             pending.wait()
-        finally:
-            comm.all_gather = original
         results.append(
             (name, torch.equal(bucket.weights, expected), torch.equal(bucket.master, masters[rank]), dict(sent))
         )
@@ -173,23 +181,12 @@ def _plain_reduce_scatter(rank, world, ranks_per_node):
     """The uncompressed reduce-scatter on one topology: (shard, {group: input bytes})."""
     topology = Topology(rank, world, ranks_per_node)
     groups = create_process_groups(topology)
-    names = {id(groups.intra): "intra", id(groups.inter): "inter", id(groups.world): "world"}
-    sent: dict[str, int] = {}
-    original = comm.reduce_scatter
-
-    def counting(output, input, group=None, async_op=False):
-        sent[names[id(group)]] = sent.get(names[id(group)], 0) + input.nbytes
-        return original(output, input, group=group, async_op=async_op)
-
     bucket = make_bucket(world, rank, 3000, dtype=torch.bfloat16)
     grads = [g.bfloat16() for g in _grads(world, bucket.layout.numel, 7)]
-    comm.reduce_scatter = counting
-    try:
+    with _bytes_by_group("reduce_scatter", groups) as sent:
         pending = PlainGradReduceScatter(topology, groups, WireMeter()).start(bucket, grads[rank], 1 / world, 0)
         pending.progress()
         pending.wait()
-    finally:
-        comm.reduce_scatter = original
     return bucket.grad_shard.clone(), sent
 
 

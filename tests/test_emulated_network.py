@@ -164,6 +164,27 @@ def test_dry_run_prints_every_table(tmp_path):
     assert out.read_text() == text
 
 
+def _four_buckets_over_slow_links():
+    """Rank 0 of 2 nodes x 4 on the GPU, links of 1 GB/s (NVLink) and 0.5 GB/s (NIC): about a
+    millisecond per stage; four 32K-element bf16 buckets, one parameter each."""
+    device = torch.device("cuda")
+    topology = Topology(0, 8, 4)
+    network = Network(device, topology)
+    network.set_rates(1.0, 0.5)
+    config = SDP4BitConfig(rounding="nearest")
+    params = {f"p{i}": torch.nn.Parameter(torch.zeros(8 * 4096, dtype=torch.bfloat16, device=device)) for i in range(4)}
+    layouts = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in params.items()], 8, 1, shard_alignment(config))
+    buckets = allocate_buckets(layouts, params, 0)
+    return device, topology, network, config, buckets, torch.Generator(device).manual_seed(0)
+
+
+def _keep_busy(device: torch.device) -> None:
+    """Long matmuls on the compute stream, with a temporary the allocator reuses afterwards."""
+    busy = torch.randn(2048, 2048, device=device)
+    for _ in range(8):
+        busy = busy @ busy / 2048
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: the exchange stream exists on CUDA only")
 @pytest.mark.parametrize("quantized", [True, False], ids=["TLq", "plain"])
 def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards(quantized):
@@ -171,15 +192,7 @@ def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards(qu
     waits on the GPU for its bytes), behind long matmuls on the compute stream and with the
     allocator reusing memory: with the middle stage queued on the exchange stream, every
     gradient shard equals the one the host-driven exchange gives, bit for bit."""
-    device = torch.device("cuda")
-    topology = Topology(0, 8, 4)
-    network = Network(device, topology)
-    network.set_rates(1.0, 0.5)  # GB/s: about a millisecond per stage
-    config = SDP4BitConfig(rounding="nearest")
-    params = {f"p{i}": torch.nn.Parameter(torch.zeros(8 * 4096, dtype=torch.bfloat16, device=device)) for i in range(4)}
-    layouts = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in params.items()], 8, 1, shard_alignment(config))
-    buckets = allocate_buckets(layouts, params, 0)
-    generator = torch.Generator(device).manual_seed(0)
+    device, topology, network, config, buckets, generator = _four_buckets_over_slow_links()
     grads = [torch.randn(b.layout.numel, generator=generator, device=device).bfloat16() for b in buckets]
     shards = {}
     with network.install():
@@ -191,11 +204,8 @@ def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards(qu
                 collective = PlainGradReduceScatter(topology, groups, WireMeter(), stream)
             pending = []
             for step, (bucket, grad) in enumerate(zip(buckets, grads, strict=True)):
-                busy = torch.randn(2048, 2048, device=device)
-                for _ in range(8):
-                    busy = busy @ busy / 2048
+                _keep_busy(device)
                 pending.append(collective.start(bucket, grad.clone(), 1 / 8, step))
-                del busy
             for exchange in pending:
                 exchange.wait()
             shards[stream is None] = [bucket.grad_shard.clone() for bucket in buckets]
@@ -209,15 +219,7 @@ def test_the_weight_all_gathers_second_stage_on_the_exchange_stream_gives_the_ho
     """Four buckets' two-level weight all-gathers in flight at once (each stage waiting on the
     GPU for its bytes), behind matmuls on the compute stream: with the intra-node stage and the
     copy into rank order queued on the exchange stream, the weights equal the host-driven ones."""
-    device = torch.device("cuda")
-    topology = Topology(0, 8, 4)
-    network = Network(device, topology)
-    network.set_rates(1.0, 0.5)
-    config = SDP4BitConfig(rounding="nearest")
-    params = {f"p{i}": torch.nn.Parameter(torch.zeros(8 * 4096, dtype=torch.bfloat16, device=device)) for i in range(4)}
-    layouts = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in params.items()], 8, 1, shard_alignment(config))
-    buckets = allocate_buckets(layouts, params, 0)
-    generator = torch.Generator(device).manual_seed(0)
+    device, topology, network, config, buckets, generator = _four_buckets_over_slow_links()
     weights = [torch.randn(b.layout.numel, generator=generator, device=device).bfloat16() for b in buckets]
     masters = [torch.randn(b.master.shape, generator=generator, device=device) for b in buckets]
     results = {}
@@ -232,11 +234,8 @@ def test_the_weight_all_gathers_second_stage_on_the_exchange_stream_gives_the_ho
             for step, (bucket, weight, master) in enumerate(zip(buckets, weights, masters, strict=True)):
                 bucket.weights.copy_(weight)
                 bucket.master.copy_(master)
-                busy = torch.randn(2048, 2048, device=device)
-                for _ in range(8):
-                    busy = busy @ busy / 2048
+                _keep_busy(device)
                 pending.append(collective.start(bucket, step))
-                del busy
             for exchange in pending:
                 exchange.wait()
             results[stream is None] = [bucket.weights.clone() for bucket in buckets]
