@@ -1,8 +1,8 @@
 """Test-wide switches: tests marked `gpu` run only where CUDA is available, and their skip prints
 its reason (pytest -ra). Without CUDA, the Triton kernels (tests/test_kernels_*.py) run in
-Triton's CPU interpreter. The whole suite takes about 14 minutes on 2 CPU cores (16 with the install) (most of it in
-multi-process Lightning fits, the namespace cluster and the checkpoint fault injection), inside
-CI's budget, so nothing is marked slow."""
+Triton's CPU interpreter. The whole suite takes about 14.5 minutes on 2 CPU cores (16 with the
+install), most of it in multi-process Lightning fits, the namespace cluster and the checkpoint
+fault injection: inside CI's budget, so nothing is marked slow."""
 
 import os
 

@@ -161,22 +161,6 @@ def _weight_all_gathers(rank, world, ranks_per_node):
     return results
 
 
-@pytest.mark.parametrize("world, ranks_per_node", TOPOLOGIES)
-def test_weight_all_gathers_equal_the_simulation_and_cross_nodes_once(world, ranks_per_node):
-    """Bit for bit on every topology. With 2 nodes x 2 the all-gather goes in two levels: this
-    rank's own row once across nodes, then the node's two rows inside it; one node or one rank
-    per node is one all-gather over the world."""
-    for rank_results in run_workers(_weight_all_gathers, world, ranks_per_node):
-        for name, equal, master_untouched, sent in rank_results:
-            assert equal and master_untouched, name
-            shard = 3072 // world  # 3000 elements padded to whole 256-groups per rank
-            row = 2 * shard if name == "plain" else payload_row_bytes(shard, bits=4, group_size=256)
-            if ranks_per_node in (1, world):
-                assert sent == {"world": row}, name
-            else:
-                assert sent == {"inter": row, "intra": 2 * row}, name
-
-
 def _plain_reduce_scatter(rank, world, ranks_per_node):
     """The uncompressed reduce-scatter on one topology: (shard, {group: input bytes})."""
     topology = Topology(rank, world, ranks_per_node)
@@ -190,15 +174,46 @@ def _plain_reduce_scatter(rank, world, ranks_per_node):
     return bucket.grad_shard.clone(), sent
 
 
-@pytest.mark.parametrize("world, ranks_per_node", TOPOLOGIES)
-def test_plain_reduce_scatter_gives_each_rank_its_shard_of_the_mean_and_crosses_nodes_once(world, ranks_per_node):
+def _exchanges(rank, world, ranks_per_node):
+    return {
+        "weights": _weight_all_gathers(rank, world, ranks_per_node),
+        "reduce_scatter": _plain_reduce_scatter(rank, world, ranks_per_node),
+    }
+
+
+@pytest.fixture(scope="module", params=[pytest.param(t.values, id=t.id) for t in TOPOLOGIES])
+def exchanges(request):
+    """(world, ranks_per_node, each rank's results): one set of processes per topology."""
+    world, ranks_per_node = request.param
+    return world, ranks_per_node, run_workers(_exchanges, world, ranks_per_node)
+
+
+def test_weight_all_gathers_equal_the_simulation_and_cross_nodes_once(exchanges):
+    """Bit for bit on every topology. With 2 nodes x 2 the all-gather goes in two levels: this
+    rank's own row once across nodes, then the node's two rows inside it; one node or one rank
+    per node is one all-gather over the world."""
+    world, ranks_per_node, results = exchanges
+    for result in results:
+        for name, equal, master_untouched, sent in result["weights"]:
+            assert equal and master_untouched, name
+            shard = 3072 // world  # 3000 elements padded to whole 256-groups per rank
+            row = 2 * shard if name == "plain" else payload_row_bytes(shard, bits=4, group_size=256)
+            if ranks_per_node in (1, world):
+                assert sent == {"world": row}, name
+            else:
+                assert sent == {"inter": row, "intra": 2 * row}, name
+
+
+def test_plain_reduce_scatter_gives_each_rank_its_shard_of_the_mean_and_crosses_nodes_once(exchanges):
     """Each rank's own contiguous shard of the mean, on every topology (to fp32 rounding: the
     two-level sums go in another order). With 2 nodes x 2 it goes inside the node first (the whole
     bucket in fp32) and then across nodes (this local index's [nodes, S])."""
+    world, ranks_per_node, results = exchanges
     numel = 3072  # 3000 padded to whole 128-groups per rank
     grads = [g.bfloat16().float() for g in _grads(world, numel, 7)]
     mean = torch.stack(grads).sum(0).view(world, -1) / world
-    for rank, (shard, sent) in enumerate(run_workers(_plain_reduce_scatter, world, ranks_per_node)):
+    for rank, result in enumerate(results):
+        shard, sent = result["reduce_scatter"]
         torch.testing.assert_close(shard, mean[rank], rtol=1e-6, atol=1e-6)
         if ranks_per_node in (1, world):
             assert sent == {"world": 4 * numel}
