@@ -109,10 +109,12 @@ class TwoStage:
 
     _work: Any
 
-    def _begin(self, stream: torch.cuda.Stream | None) -> None:
-        self._stream, self._staged, self._completed = stream, False, False
-        if stream is not None:
-            with torch.cuda.stream(stream):
+    def _begin(self, stream: torch.cuda.Stream | None, two_stages: bool = True) -> None:
+        """After stage 1 went out; with `two_stages` False there is no second one (`_stream` None)."""
+        self._stream = stream if two_stages else None
+        self._staged, self._completed = not two_stages, False
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
                 self._advance()
 
     def _advance(self) -> None:
@@ -149,10 +151,9 @@ class PlainGradReduceScatter:
         self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None = None
     ):
         self.topology, self.groups, self.meter, self.stream = topology, groups, meter, stream
-        self.two_level = topology.has_intra_stage and topology.has_inter_stage
 
     def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
-        if self.two_level:
+        if self.topology.two_level:
             return _TwoLevelReduceScatter(self, bucket, grads, scale)
         source = grads.float()  # the same tensor when it is fp32 already: the exchange owns it
         source.mul_(scale)
@@ -231,12 +232,11 @@ class TwoLevelGradReduceScatter:
         return _TwoLevelExchange(self, bucket, grads, scale, step)
 
 
-class _TwoLevelExchange:
+class _TwoLevelExchange(TwoStage):
     def __init__(self, owner: TwoLevelGradReduceScatter, bucket: Bucket, grads: torch.Tensor, scale: float, step: int):
         config, topo = owner.config, owner.topology
         self._owner, self._bucket, self._step = owner, bucket, step
         intra = topo.has_intra_stage
-        self._needs_second_stage = intra and topo.has_inter_stage
         self._bits = config.grad_intra_bits if intra else config.grad_inter_bits
         # Intra first: the bucket as [nodes, local, S] goes out by local index; inter only: by node.
         outer, chunks = (topo.nodes, topo.ranks_per_node) if intra else (1, topo.nodes)
@@ -250,24 +250,10 @@ class _TwoLevelExchange:
         self._sent = payload  # kept alive until the exchange completes
         kind = "grad_intra" if intra else "grad_inter"
         owner.meter.record(kind, payload.nbytes, grads.numel(), 4 * grads.numel())  # vs fp32
-        self._on_stream = self._needs_second_stage and owner.stream is not None
-        if self._on_stream:
-            with torch.cuda.stream(owner.stream):
-                self._second_stage()
-
-    def progress(self) -> bool:
-        """Run stage 2 (host-driven) if the intra-node all-to-all has completed; never blocks.
-        False while stage 2 still waits for it."""
-        if self._needs_second_stage:
-            if not self._work.is_completed():
-                return False
-            self._second_stage()
-        return True
+        self._begin(owner.stream, two_stages=topo.two_level)
 
     def _second_stage(self) -> None:
-        self._needs_second_stage = False
         config, topo, owner = self._owner.config, self._owner.topology, self._owner
-        self._work.wait()
         seed = owner.seeds(self._step, self._bucket, Stage.GRAD_REQUANTIZE)
         payload = ops.grad_requantize(
             self._received,
@@ -278,11 +264,11 @@ class _TwoLevelExchange:
             config.rounding,
             seed,
         )
-        if self._on_stream:
+        if self._stream is not None:
             # Made on the compute stream, last used on this one (and on the network's, which this
             # one has waited for): the allocator must not hand them out before this stream is done.
-            self._received.record_stream(owner.stream)
-            self._sent.record_stream(owner.stream)
+            self._received.record_stream(self._stream)
+            self._sent.record_stream(self._stream)
         # The first receive buffer is no longer needed: only the new payload and its receive
         # buffer stay alive.
         self._received = torch.empty_like(payload)
@@ -293,13 +279,9 @@ class _TwoLevelExchange:
         elements = topo.nodes * self._bucket.layout.shard_numel
         owner.meter.record("grad_inter", payload.nbytes, elements, 4 * elements)
 
-    def wait(self) -> None:
-        if self._needs_second_stage:
-            self._second_stage()
-        if self._work is None:
-            return
+    def _complete(self) -> None:
         self._work.wait()
-        if self._on_stream:
+        if self._stream is not None:
             # Made on the side stream; the caller's stream is now the one that waited for the
             # network, and it reads the received chunks below.
             current = torch.cuda.current_stream()

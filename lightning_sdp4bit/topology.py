@@ -48,6 +48,12 @@ class Topology:
         """Whether there is more than one node."""
         return self.nodes > 1
 
+    @property
+    def two_level(self) -> bool:
+        """Whether the exchanges go in two levels (inside the node, across nodes): several nodes
+        of several ranks each."""
+        return self.has_intra_stage and self.has_inter_stage
+
     def node_ranks(self, node: int) -> list[int]:
         return [node * self.ranks_per_node + local for local in range(self.ranks_per_node)]
 

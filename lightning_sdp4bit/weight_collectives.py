@@ -36,7 +36,6 @@ class _RowGather:
 
     def __init__(self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None):
         self.topology, self.groups, self.meter, self.stream = topology, groups, meter, stream
-        self.two_level = topology.has_intra_stage and topology.has_inter_stage
 
     def start(
         self,
@@ -49,7 +48,7 @@ class _RowGather:
         """`row` [R] (a fresh tensor: the exchange keeps it alive) stands for `elements` values
         that would travel as `uncompressed` bytes; `finish` runs once `rows` [W, R] is complete."""
         self.meter.record("weight", row.nbytes, elements, uncompressed)
-        if self.two_level:
+        if self.topology.two_level:
             # Counted now, with the step that sends it, although on the CPU it goes out later.
             nodes = self.topology.nodes
             self.meter.record("weight_intra", nodes * row.nbytes, nodes * elements, nodes * uncompressed)
