@@ -8,6 +8,18 @@ from-import, so that a patch here is seen everywhere.
 
 Every function takes the process group and `async_op` like torch.distributed, and returns the
 Work handle (or None when synchronous).
+
+**Sums in rank order on gloo.** gloo's reduce-scatter is an all-reduce (twice the bytes), and
+the order in which its ring adds the ranks' values depends on the chunk and the world size. On a
+gloo group the two summing collectives therefore move the rows with a plain all-to-all (or
+all-gather) and add them here, in rank order (`sum_rows_into`): the same bytes as a direct
+reduce-scatter, and a result that depends only on the ranks' inputs. That is what lets
+`lightning_sdp4bit.simulation` run a job of W ranks in one process and agree with the real job
+bit for bit. NCCL groups keep NCCL's own reduce-scatter and all-reduce (their order is NCCL's).
+
+**Simulated groups.** A group object with `simulated = True` (`lightning_sdp4bit.simulation`)
+stands for one rank's membership of a group of ranks that all live in this process: each
+function hands the call to it.
 """
 
 from __future__ import annotations
@@ -17,33 +29,94 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter", "sum_rows_into"]
 
 # torch >= 2.13 calls the old names from the new ones and warns on the old: prefer the new.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def sum_rows_into(output: Tensor, rows: Tensor) -> None:
+    """output [n] = rows[0] + rows[1] + ... + rows[P-1], added left to right in that order.
+
+    rows: [P, n]. The one definition of a cross-rank sum that gloo groups and simulated groups
+    share: a left fold in rank order, so that the result depends on nothing but the rows."""
+    output.copy_(rows[0])
+    for row in rows[1:]:
+        output.add_(row)
+
+
+class _SumOnWait:
+    """The Work of a summing collective done as a move then a local sum: `wait` adds the rows."""
+
+    def __init__(self, work: Any, finish: Any):
+        self._work, self._finish = work, finish
+
+    def is_completed(self) -> bool:
+        return self._finish is None or self._work.is_completed()
+
+    def wait(self) -> bool:
+        if self._finish is not None:
+            self._work.wait()
+            self._finish()
+            self._finish = self._work = None
+        return True
+
+    def returned(self, async_op: bool) -> _SumOnWait | None:
+        """What the collective returns: this Work, or None once done when synchronous."""
+        if async_op:
+            return self
+        self.wait()
+        return None
+
+
+def _sums_in_rank_order(group: Any) -> bool:
+    return dist.get_backend(group) == dist.Backend.GLOO
+
+
+def _simulated(group: Any) -> bool:
+    return getattr(group, "simulated", False)
+
+
 def all_gather(output: Tensor, input: Tensor, group: Any = None, async_op: bool = False) -> Any:
     """output [world * n] = concatenation of every rank's input [n], in rank order."""
+    if _simulated(group):
+        return group.all_gather(output, input, async_op)
     return _ALL_GATHER(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: Tensor, input: Tensor, group: Any = None, async_op: bool = False) -> Any:
     """output [n] = sum over ranks of input[rank * n : (rank + 1) * n], input [world * n]."""
-    return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if _simulated(group):
+        return group.reduce_scatter(output, input, async_op)
+    if not _sums_in_rank_order(group):
+        return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    # Row p of `received` [P, n] is rank p's chunk for this rank.
+    received = input.new_empty((dist.get_world_size(group), output.numel()))
+    work = dist.all_to_all_single(received, input, group=group, async_op=True)
+    return _SumOnWait(work, lambda: sum_rows_into(output, received)).returned(async_op)
 
 
 def all_to_all(output: Tensor, input: Tensor, group: Any = None, async_op: bool = False) -> Any:
     """Chunk p of input [P, ...] goes to peer p; chunk p of output comes from peer p (even splits)."""
+    if _simulated(group):
+        return group.all_to_all(output, input, async_op)
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: Tensor, group: Any = None, async_op: bool = False) -> Any:
     """In-place sum over the ranks of `group`."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if _simulated(group):
+        return group.all_reduce(tensor, async_op)
+    if not _sums_in_rank_order(group):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    rows = tensor.new_empty((dist.get_world_size(group), tensor.numel()))
+    work = _ALL_GATHER(rows.view(-1), tensor.reshape(-1).contiguous(), group=group, async_op=True)
+    return _SumOnWait(work, lambda: sum_rows_into(tensor.view(-1), rows)).returned(async_op)
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Any = None, async_op: bool = False) -> Any:
     """In-place copy of global rank `src`'s tensor to every rank of `group`."""
+    if _simulated(group):
+        return group.broadcast(tensor, src, async_op)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)

@@ -35,8 +35,15 @@ from torch import Tensor, nn
 from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, layout_signature, plan_buckets
 from lightning_sdp4bit.collectives import Pending, grad_collective_for
-from lightning_sdp4bit.config import NonFinite, SDP4BitConfig, auto_bucket_numel
-from lightning_sdp4bit.guards import NonFiniteGradientError, SkippedSteps, StepVerdict, decide_step, global_squares
+from lightning_sdp4bit.config import SDP4BitConfig, auto_bucket_numel
+from lightning_sdp4bit.guards import (
+    SkippedSteps,
+    StepVerdict,
+    apply_verdict,
+    clip_coefficient,
+    decide_step,
+    global_squares,
+)
 from lightning_sdp4bit.module_hooks import register_hooks
 from lightning_sdp4bit.optim import shard_optimizer
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, exchange_stream
@@ -44,7 +51,7 @@ from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 from lightning_sdp4bit.weight_collectives import weight_collective_for
 
-__all__ = ["MasterFragment", "ShardedEngine", "shard_alignment"]
+__all__ = ["MasterFragment", "ShardedEngine", "bucket_layouts", "master_fragments", "shard_alignment"]
 
 # Shards stay a multiple of this many elements even uncompressed: 32 keeps every packed
 # payload row a whole number of 32-bit words (see reference.ops.payload_row_bytes).
@@ -63,6 +70,18 @@ def shard_alignment(config: SDP4BitConfig) -> int:
     return math.lcm(*sizes)
 
 
+def bucket_layouts(named: list[tuple[str, nn.Parameter]], config: SDP4BitConfig, world_size: int) -> list:
+    """The buckets of the trained parameters `named` (registration order) for a job of `world_size`."""
+    bucket_numel = config.bucket_numel or auto_bucket_numel(sum(p.numel() for _, p in named))
+    return plan_buckets(
+        [(name, tuple(p.shape), p.dtype) for name, p in named],
+        world_size,
+        bucket_numel,
+        shard_alignment(config),
+        config.first_bucket_numel,
+    )
+
+
 @dataclass(frozen=True)
 class MasterFragment:
     """One parameter's slice of this rank's shard: what the optimizer steps."""
@@ -71,6 +90,20 @@ class MasterFragment:
     param_index: int  # the parameter's position among the trained parameters (bucket order)
     master: Tensor  # fp32 view into the bucket's master shard
     grad: Tensor  # fp32 view into the bucket's gradient shard
+
+
+def master_fragments(buckets: list[Bucket], rank: int, trained_names: list[str]) -> dict[str, list[MasterFragment]]:
+    """Parameter name -> its fragments in `rank`'s shards (at most one per parameter, since a
+    parameter sits in one bucket and a shard is contiguous)."""
+    index_of = {name: i for i, name in enumerate(trained_names)}
+    by_name: dict[str, list[MasterFragment]] = {}
+    for bucket in buckets:
+        for frag in bucket.layout.fragments(rank):
+            window = slice(frag.shard_start, frag.shard_start + frag.numel)
+            by_name.setdefault(frag.name, []).append(
+                MasterFragment(frag, index_of[frag.name], bucket.master[window], bucket.grad_shard[window])
+            )
+    return by_name
 
 
 class ShardedEngine:
@@ -93,14 +126,7 @@ class ShardedEngine:
         if not named:
             raise ValueError("the module has no parameters that require grad: there is nothing to shard")
         self.frozen_names = {name for name, p in module.named_parameters() if not p.requires_grad}
-        bucket_numel = config.bucket_numel or auto_bucket_numel(sum(p.numel() for _, p in named))
-        layouts = plan_buckets(
-            [(name, tuple(p.shape), p.dtype) for name, p in named],
-            topology.world_size,
-            bucket_numel,
-            shard_alignment(config),
-            config.first_bucket_numel,
-        )
+        layouts = bucket_layouts(named, config, topology.world_size)
         self._check_ranks_agree(layouts, named[0][1].device)
         with torch.no_grad():
             self.buckets: list[Bucket] = allocate_buckets(layouts, dict(named), topology.rank)
@@ -109,7 +135,7 @@ class ShardedEngine:
                 bucket.master.copy_(bucket.weight_shard)
                 bucket.applied_shard.copy_(bucket.weight_shard)
         self.trained_names = [slot.name for b in self.buckets for slot in b.layout.slots]
-        self.fragments_by_name: dict[str, list[MasterFragment]] = self._make_fragments()
+        self.fragments_by_name = master_fragments(self.buckets, topology.rank, self.trained_names)
         self.optimizer_param_names: list[list[list[str]]] = []  # per re-pointed optimizer, per group
         stream = exchange_stream(named[0][1].device)
         self.grad_collectives = [
@@ -166,19 +192,6 @@ class ShardedEngine:
                 comm.broadcast(p.data, src=0, group=self.groups.world)
         for buffer in self.module.buffers():
             comm.broadcast(buffer, src=0, group=self.groups.world)
-
-    def _make_fragments(self) -> dict[str, list[MasterFragment]]:
-        """Parameter name -> its fragments in this rank's shards (at most one per parameter,
-        since a parameter sits in one bucket and a shard is contiguous)."""
-        index_of = {name: i for i, name in enumerate(self.trained_names)}
-        by_name: dict[str, list[MasterFragment]] = {}
-        for bucket in self.buckets:
-            for frag in bucket.layout.fragments(self.topology.rank):
-                window = slice(frag.shard_start, frag.shard_start + frag.numel)
-                by_name.setdefault(frag.name, []).append(
-                    MasterFragment(frag, index_of[frag.name], bucket.master[window], bucket.grad_shard[window])
-                )
-        return by_name
 
     def check_trained_set(self) -> None:
         """Raise if a parameter that was frozen when the engine was built now requires grad:
@@ -266,36 +279,11 @@ class ShardedEngine:
         if self._decided:
             return
         self._decided = True
-        verdict = self.verdict
-        assert verdict is not None
-        mode = self.config.nonfinite
-        on_device = mode is NonFinite.SKIP and all(_skips_on_device(opt) for opt in self.optimizers)
-        for optimizer in self.optimizers:
-            # Fused optimizers skip their whole update on the device when found_inf is 1, as they
-            # do for GradScaler: no host synchronisation (grad_scale None: nothing to unscale).
-            optimizer.grad_scale, optimizer.found_inf = None, verdict.nonfinite_flag if on_device else None
-        self._skip_on_host = False
-        if mode is NonFinite.ERROR or (mode is NonFinite.SKIP and not on_device):
-            if not verdict.finite:
-                self._on_nonfinite()
-                self._skip_on_host = True
-        if on_device:
-            self.skipped.device_skip(verdict.nonfinite_flag)
-        for records in self.fragments_by_name.values():
-            for record in records:
-                if self._skip_on_host or not verdict.used[record.param_index]:
-                    record.master.grad = None
-
-    def _on_nonfinite(self) -> None:
-        mode = self.config.nonfinite
-        if mode is NonFinite.ERROR:
-            raise NonFiniteGradientError(
-                f"sdp4bit: a gradient is Inf or NaN at optimizer step {self.step} (on every rank's view of the "
-                "global norm). Set SDP4BitConfig.nonfinite='skip' to skip such steps, or find the batch or "
-                "layer that overflows."
-            )
-        if mode is NonFinite.SKIP:
-            self.skipped.host_skip(self.step)
+        assert self.verdict is not None
+        fragments = (record for records in self.fragments_by_name.values() for record in records)
+        self._skip_on_host = apply_verdict(
+            self.verdict, self.config.nonfinite, self.optimizers, fragments, self.skipped, self.step
+        )
 
     @property
     def skips_step(self) -> bool:
@@ -338,8 +326,7 @@ class ShardedEngine:
         norm = self.verdict.norm
         if self._grad_versions() != self._norm_versions:
             norm = global_squares([b.grad_shard for b in self.buckets], self.groups.world).sqrt()[0]
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([bucket.grad_shard for bucket in self.buckets], coefficient)
+        torch._foreach_mul_([bucket.grad_shard for bucket in self.buckets], clip_coefficient(norm, max_norm))
         self._norm_versions = None
         return norm
 
@@ -426,8 +413,3 @@ class ShardedEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-
-def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step` honours `found_inf` on the device (torch's fused optimizers)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

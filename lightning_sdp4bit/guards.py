@@ -23,14 +23,25 @@ step for a 356M GPT); only `finite` makes one, and only where it is needed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_sdp4bit import comm
+from lightning_sdp4bit.config import NonFinite
 
-__all__ = ["NonFiniteGradientError", "SkippedSteps", "StepVerdict", "decide_step", "global_squares"]
+__all__ = [
+    "NonFiniteGradientError",
+    "SkippedSteps",
+    "StepVerdict",
+    "apply_verdict",
+    "clip_coefficient",
+    "decide_step",
+    "global_squares",
+    "local_squares",
+]
 
 
 log = logging.getLogger(__name__)
@@ -103,17 +114,28 @@ class StepVerdict:
         return self._finite
 
 
-def global_squares(grad_shards: list[Tensor], group: Any) -> Tensor:
-    """[1] fp32 on the shards' device: the sum over every rank of the squared gradient. Collective.
+def local_squares(grad_shards: list[Tensor]) -> Tensor:
+    """[1] fp32 on the shards' device: this rank's sum of squared gradient elements.
 
     One multi-tensor norm over the shards (one read of each, a launch or two), then the squares
     of those norms summed in bucket order, so that whoever asks (the verdict or a later clip) gets
     the same norm bit for bit. (A pow and a sum per shard cost three passes and three launches a
     bucket: host launches the GPU waited for between backward's end and the optimizer step.)"""
     norms = torch._foreach_norm(grad_shards)
-    squares = torch.stack(norms).square().sum().reshape(1)
+    return torch.stack(norms).square().sum().reshape(1)
+
+
+def global_squares(grad_shards: list[Tensor], group: Any) -> Tensor:
+    """[1] fp32 on the shards' device: the sum over every rank of `local_squares`. Collective."""
+    squares = local_squares(grad_shards)
     comm.all_reduce(squares, group=group)
     return squares
+
+
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """What clipping by the global norm multiplies every gradient by: as torch.nn.utils.clip_grad_norm_,
+    max_norm / (norm + 1e-6), capped at 1 (0-dim, on the norm's device; no host synchronisation)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def decide_step(grad_shards: list[Tensor], used_here: list[bool], group: Any, host_group: Any) -> StepVerdict:
@@ -122,3 +144,46 @@ def decide_step(grad_shards: list[Tensor], used_here: list[bool], group: Any, ho
     counts = torch.tensor(used_here, dtype=torch.int32)
     comm.all_reduce(counts, group=host_group)
     return StepVerdict(squares, tuple(bool(count) for count in counts.tolist()))
+
+
+def apply_verdict(
+    verdict: StepVerdict,
+    mode: NonFinite,
+    optimizers: list[torch.optim.Optimizer],
+    fragments: Iterable[Any],
+    skipped: SkippedSteps,
+    step: int,
+) -> bool:
+    """Arm one rank's optimizers for the step the verdict decided; returns whether the host skips it.
+
+    A parameter that got no gradient on any rank (and every one, on a host-skipped step) has its
+    fragments' .grad (`fragments`: `engine.MasterFragment`s) set to None, so that the optimizer
+    leaves it alone, as under DDP. With nonfinite="skip" and only fused optimizers the skip
+    happens on the device (their `found_inf`, as under GradScaler: no host synchronisation);
+    otherwise the host reads the verdict. Raises NonFiniteGradientError with nonfinite="error".
+    """
+    on_device = mode is NonFinite.SKIP and all(_skips_on_device(opt) for opt in optimizers)
+    for optimizer in optimizers:
+        # grad_scale None: nothing to unscale.
+        optimizer.grad_scale, optimizer.found_inf = None, verdict.nonfinite_flag if on_device else None
+    skip_on_host = False
+    if (mode is NonFinite.ERROR or (mode is NonFinite.SKIP and not on_device)) and not verdict.finite:
+        if mode is NonFinite.ERROR:
+            raise NonFiniteGradientError(
+                f"sdp4bit: a gradient is Inf or NaN at optimizer step {step} (on every rank's view of the "
+                "global norm). Set SDP4BitConfig.nonfinite='skip' to skip such steps, or find the batch or "
+                "layer that overflows."
+            )
+        skipped.host_skip(step)
+        skip_on_host = True
+    if on_device:
+        skipped.device_skip(verdict.nonfinite_flag)
+    for record in fragments:
+        if skip_on_host or not verdict.used[record.param_index]:
+            record.master.grad = None
+    return skip_on_host
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` honours `found_inf` on the device (torch's fused optimizers)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
