@@ -1,0 +1,323 @@
+"""SDP4Bit's Table 1 at the GPT-125M shape, on real text, on one GPU: every run is a job of
+16 nodes x 4 ranks simulated on one device (`lightning_sdp4bit.simulation`).
+
+    python benchmarks/accuracy_gpu.py --runs all --budget 540     # train what is pending for ~9 min, resumable
+    python benchmarks/accuracy_gpu.py --throughput                # simulated W=64 vs a plain single-GPU step
+    python benchmarks/accuracy_gpu.py --report                    # docs/accuracy_gpu.md and .png from finished runs
+    python benchmarks/accuracy_gpu.py --smoke --results /tmp/s    # CI: a tiny model for a few steps, on CPU
+
+Each run trains the same 12 x 768 GPT (12 heads, 1024 tokens of context, byte tokens) from the
+same initial weights on the same data in the same order, for the same number of tokens, with
+AdamW (0.9, 0.95), weight decay 0.1, a cosine schedule and clipping at 1.0 (the paper's recipe),
+and nothing tuned per preset. The corpus is the source and documentation files of the installed
+Python packages (benchmarks/corpus.py), validation their held-out files. Rank r of the simulated
+job reads what DistributedSampler(num_replicas=64, rank=r) over one shuffled list of windows gives
+it. A run checkpoints into --state (the device machine's disk) when its budget ends and resumes
+from there; a finished run writes <results>/<run>.json, which the study then skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
+
+from corpus import build_corpus  # noqa: E402
+from gpt.model import GPT, GPTConfig  # noqa: E402
+from gpt.module import decay_groups, warmup_cosine  # noqa: E402
+
+from lightning_sdp4bit import SDP4BitConfig  # noqa: E402
+from lightning_sdp4bit.simulation import SimulatedEngine, parse_world  # noqa: E402
+from lightning_sdp4bit.simulation.graphed import GraphedBackward  # noqa: E402
+
+PRESETS = ["baseline", "qw", "qwd", "ulq", "tlq", "tlq_hs", "sdp4bit"]
+RESULTS = ROOT / "benchmarks" / "results" / "accuracy_gpu"
+
+
+@dataclass(frozen=True)
+class Study:
+    """Every setting every run shares (the model, data, schedule and budget)."""
+
+    n_layer: int = 12
+    n_embd: int = 768
+    n_head: int = 12
+    block_size: int = 1024
+    world: str = "16x4"
+    batch_per_rank: int = 1  # sequences; the global batch is 64 x 1 = 64 sequences
+    tokens: int = 150_000_000
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_fraction: float = 0.02
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    model_seed: int = 1234
+    eval_every: int = 100  # optimizer steps
+    eval_windows: int = 256  # validation sequences per evaluation during training
+    final_eval_windows: int = 2048  # ... at the end (2M tokens)
+    corpus_limit_bytes: int | None = None
+    # Two buckets for the whole model (1M, then the rest): fewer, larger simulated exchanges cost
+    # the host fewer launches; the loss does not depend on it. The same for every preset.
+    bucket_numel: int | None = 100_000_000
+
+    @property
+    def ranks(self) -> int:
+        nodes, local = parse_world(self.world)
+        return nodes * local
+
+    @property
+    def steps(self) -> int:
+        return math.ceil(self.tokens / (self.ranks * self.batch_per_rank * self.block_size))
+
+
+SMOKE = Study(
+    n_layer=2, n_embd=64, n_head=2, block_size=64, world="2x2", tokens=40 * 4 * 64, eval_every=10,
+    eval_windows=8, final_eval_windows=16, corpus_limit_bytes=3_000_000,
+)  # fmt: skip
+
+
+def run_names(presets: list[str], seeds: int) -> list[str]:
+    """baseline-d0 and baseline-d1 (the noise floor: another data order), every other preset once
+    per rounding seed: qwd-r0, qwd-r1, ..."""
+    names = []
+    for preset in presets:
+        if preset == "baseline":
+            names += ["baseline-d0", "baseline-d1"]
+        else:
+            names += [f"{preset}-r{seed}" for seed in range(seeds)]
+    return names
+
+
+def parse_run(name: str) -> tuple[str, int, int]:
+    """'tlq_hs-r1' -> (preset, rounding seed, data seed)."""
+    preset, tag = name.rsplit("-", 1)
+    if preset not in PRESETS or tag[0] not in "rd" or not tag[1:].isdigit():
+        raise ValueError(f"run {name!r}: expected <preset>-r<rounding seed> or baseline-d<data seed>")
+    return preset, int(tag[1:]) if tag[0] == "r" else 0, int(tag[1:]) if tag[0] == "d" else 0
+
+
+class Data:
+    """Windows of block_size + 1 bytes; the order is one permutation per data seed."""
+
+    def __init__(self, corpus, study: Study, data_seed: int, device: torch.device):
+        self.study, self.device = study, device
+        span = study.block_size + 1
+        self.train = corpus.train.to(device)
+        self.val = corpus.val.to(device)
+        count = (self.train.numel() - 1) // study.block_size
+        self.order = torch.randperm(count, generator=torch.Generator().manual_seed(data_seed)).to(device)
+        needed = study.steps * study.ranks * study.batch_per_rank
+        if needed > count:
+            raise ValueError(f"the corpus holds {count} training windows, the study needs {needed}")
+        self.val_count = (self.val.numel() - 1) // study.block_size
+        self._span = span
+
+    def _windows(self, starts: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        index = starts[:, None] * self.study.block_size + torch.arange(self._span, device=self.device)
+        return (self.train if source is None else source)[index].long()
+
+    def batch(self, step: int, rank: int) -> torch.Tensor:
+        """Windows [b, T + 1]: what DistributedSampler(num_replicas=W, rank) over `order` puts in this
+        rank's batch `step`, positions rank + W * (step * b + k) for k < b."""
+        w, b = self.study.ranks, self.study.batch_per_rank
+        positions = rank + w * (step * b + torch.arange(b, device=self.device))
+        return self._windows(self.order[positions])
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, windows: int, chunk: int = 16) -> float:
+        """Mean cross-entropy (nats per byte) over the first `windows` held-out windows."""
+        windows = min(windows, self.val_count)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for start in range(0, windows, chunk):
+            tokens = self._windows(torch.arange(start, min(windows, start + chunk), device=self.device), self.val)
+            total += loss_of(model, tokens, reduction="sum").double()
+        return (total / (windows * self.study.block_size)).item()
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-byte cross-entropy of windows [b, T + 1], in fp32."""
+    logits = model(tokens[:, :-1]).float()
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction=reduction)
+
+
+class RankPasses:
+    """Each simulated rank's forward and backward into its window gradients: replayed from a CUDA
+    graph on a GPU (the eager pass's bits without its host launches), eager on a CPU."""
+
+    def __init__(self, model: torch.nn.Module, engine: SimulatedEngine, example: torch.Tensor, graphed: bool):
+        self.model, self.engine = model, engine
+        params = [p for bucket in engine.buckets for p in bucket.params]
+        self.graph = GraphedBackward(lambda t: loss_of(model, t), example, params) if graphed else None
+
+    def __call__(self, rank: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The rank's loss (on a GPU a static tensor, overwritten by the next call: read it at once)."""
+        if self.graph is None:
+            loss = loss_of(self.model, tokens)
+            loss.backward()
+            self.engine.receive_grads(rank, accumulating=False)
+            return loss.detach()
+        loss, grads = self.graph(tokens)
+        self.engine.receive_grads(rank, accumulating=False, grads=grads)
+        return loss
+
+
+def build(study: Study, preset: str, rounding_seed: int, device: torch.device):
+    torch.manual_seed(study.model_seed)
+    config = GPTConfig(256, study.block_size, study.n_layer, study.n_head, study.n_embd)
+    model = GPT(config).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    nodes, local = parse_world(study.world)
+    config = SDP4BitConfig.preset(preset, seed=rounding_seed, bucket_numel=study.bucket_numel)
+    engine = SimulatedEngine(model, config, nodes, local)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(decay_groups(model, study.weight_decay), lr=study.lr, betas=(0.9, 0.95), **fused)
+    engine.shard_optimizer(optimizer)
+    warmup = max(1, round(study.warmup_fraction * study.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, warmup, study.steps, study.min_lr / study.lr)
+    )
+    return model, engine, optimizer, schedule
+
+
+def state_of(model, engine, schedule, progress) -> dict:
+    return {
+        "model": model.state_dict(),
+        "masters": [[b.master for b in rank.buckets] for rank in engine.ranks],
+        "optimizers": [rank.optimizers[0].state_dict() for rank in engine.ranks],
+        "schedule": schedule.state_dict(),
+        "engine_step": engine.step,
+        "progress": progress,
+    }
+
+
+def restore(state, model, engine, schedule) -> dict:
+    model.load_state_dict(state["model"])
+    for rank, masters in zip(engine.ranks, state["masters"], strict=True):
+        for bucket, master in zip(rank.buckets, masters, strict=True):
+            bucket.master.copy_(master)
+    for rank, optimizer_state in zip(engine.ranks, state["optimizers"], strict=True):
+        rank.optimizers[0].load_state_dict(optimizer_state)
+    schedule.load_state_dict(state["schedule"])
+    engine.step = state["engine_step"]
+    return state["progress"]
+
+
+def train_run(name: str, study: Study, corpus, device: torch.device, state_dir: Path, deadline: float) -> dict | None:
+    """Train `name` until done (returns its results) or until `deadline` (saves, returns None)."""
+    preset, rounding_seed, data_seed = parse_run(name)
+    data = Data(corpus, study, data_seed, device)
+    model, engine, optimizer, schedule = build(study, preset, rounding_seed, device)
+    state_path = state_dir / f"{name}.pt"
+    progress = {"step": 0, "seconds": 0.0, "val": [], "train": [], "train_partial": 0.0}
+    if state_path.exists():
+        progress = restore(torch.load(state_path, map_location=device, weights_only=False), model, engine, schedule)
+        print(f"{name}: resumed at step {progress['step']}", flush=True)
+    started, stats = time.time(), {}
+    passes = RankPasses(model, engine, data.batch(0, 0), graphed=device.type == "cuda")
+    train_sum = torch.full((), progress["train_partial"], device=device)  # losses since the last report
+    for step in range(progress["step"], study.steps):
+        if step % study.eval_every == 0:
+            progress["val"].append((step, data.evaluate(model, study.eval_windows)))
+        for rank in range(study.ranks):
+            train_sum += passes(rank, data.batch(step, rank))
+        engine.finish_grad_sync()
+        engine.clip_grad_norm(study.clip)
+        engine.prepare_step()
+        optimizer.step()
+        engine.step_other_ranks()
+        stats = engine.start_weight_sync()
+        optimizer.zero_grad()
+        schedule.step()
+        progress["step"] = step + 1
+        if progress["step"] % study.eval_every == 0:
+            progress["train"].append((progress["step"], train_sum.item() / (study.eval_every * study.ranks)))
+            train_sum.zero_()
+            print(f"{name}: step {progress['step']}/{study.steps} train {progress['train'][-1][1]:.4f} "
+                  f"val {progress['val'][-1][1]:.4f}", flush=True)  # fmt: skip
+        if time.time() > deadline and progress["step"] < study.steps:
+            progress["seconds"] += time.time() - started
+            progress["train_partial"] = train_sum.item()
+            state_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(state_of(model, engine, schedule, progress), state_path.with_suffix(".tmp"))
+            os.replace(state_path.with_suffix(".tmp"), state_path)
+            print(f"{name}: out of budget at step {progress['step']}, state saved to {state_path}", flush=True)
+            return None
+    progress["seconds"] += time.time() - started
+    final = data.evaluate(model, study.final_eval_windows)
+    progress["val"].append((study.steps, data.evaluate(model, study.eval_windows)))
+    return {
+        "run": name,
+        "preset": preset,
+        "rounding_seed": rounding_seed,
+        "data_seed": data_seed,
+        "final_val_loss": final,
+        "final_val_tokens": min(study.final_eval_windows, data.val_count) * study.block_size,
+        "val_curve": progress["val"],
+        "train_curve": progress["train"],
+        "steps": study.steps,
+        "tokens": study.steps * study.ranks * study.batch_per_rank * study.block_size,
+        "train_seconds": progress["seconds"],
+        "bits_per_element": {k: v for k, v in stats.items() if k.endswith("_bits_per_element")},
+        "study": asdict(study),
+        "corpus": corpus.manifest,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="all", help="comma-separated run names, or 'all'")
+    parser.add_argument("--seeds", type=int, default=2, help="rounding seeds per stochastic preset")
+    parser.add_argument("--budget", type=float, default=540, help="seconds of training in this call")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--state", type=Path, default=Path("/tmp/sdp4bit_accuracy_gpu"))
+    parser.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI, CPU)")
+    parser.add_argument("--throughput", action="store_true", help="measure the simulation's speed and memory")
+    parser.add_argument("--report", action="store_true", help="write docs/accuracy_gpu.md from finished runs")
+    args = parser.parse_args(argv)
+    study = SMOKE if args.smoke else Study()
+    if args.report:
+        from accuracy_gpu_report import write_report
+
+        write_report(args.results, ROOT / "docs")
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.throughput:
+        from accuracy_gpu_report import measure_throughput
+
+        measure_throughput(study, device, args.results)
+        return
+    names = run_names(PRESETS, args.seeds) if args.runs == "all" else args.runs.split(",")
+    for name in names:
+        parse_run(name)  # every name checked before anything trains
+    deadline = time.time() + args.budget
+    pending = [n for n in names if not (args.results / f"{n}.json").exists()]
+    print(f"finished: {len(names) - len(pending)} of {len(names)}; pending: {pending}", flush=True)
+    if not pending:
+        return
+    corpus = build_corpus(limit_bytes=study.corpus_limit_bytes)
+    print(f"corpus: {json.dumps(corpus.manifest)}", flush=True)
+    for name in pending:
+        if time.time() > deadline:
+            break
+        result = train_run(name, replace(study), corpus, device, args.state, deadline)
+        if result is not None:
+            args.results.mkdir(parents=True, exist_ok=True)
+            (args.results / f"{name}.json").write_text(json.dumps(result, indent=1))
+            print(f"{name}: final validation loss {result['final_val_loss']:.5f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

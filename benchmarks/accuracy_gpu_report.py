@@ -1,0 +1,159 @@
+"""The GPU accuracy study's two outputs beside training (benchmarks/accuracy_gpu.py):
+- `measure_throughput`: tokens/s and peak memory of the simulated W-rank job against a plain
+  single-GPU step of the same global batch;
+- `write_report`: docs/accuracy_gpu.md (final validation loss per preset against the baseline and
+  the paper's 125M row, seed spread, noise floor, verdicts) and docs/accuracy_gpu.png (the curves).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+# Paper, Table 1, GPT-125M on the Pile after about 42B tokens: final validation loss.
+PAPER_125M = {"baseline": 2.29392, "qw": 2.57312, "qwd": 2.29274, "tlq": 2.30479, "tlq_hs": 2.29528, "sdp4bit": 2.29590}
+ORDER = ["baseline", "qw", "qwd", "ulq", "tlq", "tlq_hs", "sdp4bit"]
+
+
+def _timed_steps(step, count: int, device: torch.device) -> float:
+    """Seconds per call of `step()`, over `count` calls back to back after two warm-ups."""
+    for _ in range(2):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(count):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / count
+
+
+def measure_throughput(study, device: torch.device, results: Path, count: int = 5) -> None:
+    """Print and save (results/throughput.json) tokens/s and peak memory: the simulated job for two
+    presets, and a plain step (no strategy, one fused AdamW) of the same global batch."""
+    from accuracy_gpu import RankPasses, build, loss_of
+
+    tokens = study.ranks * study.batch_per_rank * study.block_size
+    rows = []
+    for preset in ["baseline", "sdp4bit", None]:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        model, engine, optimizer, _ = build(study, preset or "baseline", 0, device)
+        x = torch.randint(0, 256, (study.ranks * study.batch_per_rank, study.block_size + 1), device=device)
+        if preset is None:  # plain: the module's own parameters, the whole global batch in one pass
+            plain = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+            def step():
+                loss_of(model, x).backward()
+                plain.step()
+                plain.zero_grad()
+
+            engine = None
+        else:
+            b = study.batch_per_rank
+            passes = RankPasses(model, engine, x[:b], graphed=device.type == "cuda")
+
+            def step():
+                for rank in range(study.ranks):
+                    passes(rank, x[rank * b : (rank + 1) * b])
+                engine.finish_grad_sync()
+                engine.clip_grad_norm(1.0)
+                engine.prepare_step()
+                optimizer.step()
+                engine.step_other_ranks()
+                engine.start_weight_sync()
+                optimizer.zero_grad()
+
+        seconds = _timed_steps(step, count, device)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        params = sum(p.numel() for p in model.parameters())
+        rows.append({"run": f"simulated {study.world}, {preset}" if preset else "plain, one GPU", "step_s": seconds,
+                     "tokens_per_s": tokens / seconds, "peak_gib": peak, "params": params})  # fmt: skip
+        del model, engine, optimizer
+    print(f"| run | step (ms) | tokens/s | vs plain | peak memory (GiB) |\n|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['run']} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:,.0f} | "
+              f"{row['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f} | {row['peak_gib']:.1f} |")  # fmt: skip
+    results.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    (results / "throughput.json").write_text(json.dumps({"device": device_name, "rows": rows}, indent=1))
+
+
+def _finished(results: Path) -> dict[str, list[dict]]:
+    by_preset: dict[str, list[dict]] = {}
+    for path in sorted(results.glob("*-[rd][0-9]*.json")):
+        run = json.loads(path.read_text())
+        by_preset.setdefault(run["preset"], []).append(run)
+    return by_preset
+
+
+def write_report(results: Path, docs: Path) -> None:
+    """docs/accuracy_gpu.md and .png from every finished run in `results` (pending runs listed)."""
+    runs = _finished(results)
+    if "baseline" not in runs:
+        raise SystemExit(f"no finished baseline run in {results}: nothing to compare against")
+    base_runs = [r for r in runs["baseline"] if r["data_seed"] == 0]
+    base = base_runs[0]["final_val_loss"]
+    floor = [r["final_val_loss"] for r in runs["baseline"]]
+    noise = max(floor) - min(floor) if len(floor) > 1 else float("nan")
+    lines = [
+        "| preset | runs | final val loss (mean) | vs baseline (nats) | vs baseline | seed spread (nats) | paper 125M |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    means, spreads = {}, {}
+    for preset in ORDER:
+        if preset not in runs:
+            lines.append(f"| {preset} | pending | | | | | |")
+            continue
+        pool = [r for r in runs[preset] if preset != "baseline" or r["data_seed"] == 0]
+        losses = [r["final_val_loss"] for r in pool]
+        means[preset] = statistics.mean(losses)
+        spreads[preset] = max(losses) - min(losses)
+        delta = means[preset] - base
+        paper = PAPER_125M.get(preset)
+        paper_text = f"{paper:.5f} ({100 * (paper / PAPER_125M['baseline'] - 1):+.2f}%)" if paper else "not in Table 1"
+        lines.append(
+            f"| {preset} | {len(losses)} | {means[preset]:.5f} | {delta:+.5f} | {100 * delta / base:+.3f}% | "
+            f"{spreads[preset]:.5f} | {paper_text} |"
+        )
+    first = base_runs[0]
+    header = [
+        "# Accuracy on one GPU: the paper's Table 1 at the GPT-125M shape, on real text",
+        "",
+        "Every run: a job of 16 nodes x 4 ranks simulated on one H200 (`lightning_sdp4bit.simulation`), "
+        f"{first['tokens']:,} tokens in {first['steps']} steps, global batch {first['study']['world']} x "
+        f"{first['study']['batch_per_rank']} x {first['study']['block_size']}; command: "
+        "`python benchmarks/accuracy_gpu.py --runs all` (resumable), then `--report`.",
+        f"- corpus: {first['corpus']['files']:,} files of installed Python packages, "
+        f"{first['corpus']['train_bytes']:,} training and {first['corpus']['val_bytes']:,} held-out validation "
+        f"bytes; file list SHA-256 `{first['corpus']['file_list_sha256']}`, content `{first['corpus']['content_sha256']}`",
+        f"- noise floor (baseline, two data orders): {noise:.5f} nats",
+        "",
+    ]
+    (docs / "accuracy_gpu.md").write_text("\n".join(header + lines) + "\n")
+    _plot(runs, docs / "accuracy_gpu.png")
+
+
+def _plot(runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for preset in ORDER:
+        for run in runs.get(preset, []):
+            steps, losses = zip(*run["val_curve"], strict=True)
+            ax.plot(steps, losses, label=run["run"], linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
