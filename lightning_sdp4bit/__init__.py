@@ -8,7 +8,8 @@ Public API (each name is imported on first use, so `import lightning_sdp4bit` st
 - `SDP4BitConfig`: the configuration dataclass and its presets;
 - `quantize`, `dequantize`, `QuantizedTensor`: the reference group-wise quantizer;
 - `SDP4BitStrategy`: the Trainer strategy (also reachable as `strategy="sdp4bit"`);
-- `SDP4BitFabricStrategy`: the Fabric strategy (also reachable as `Fabric(strategy="sdp4bit")`).
+- `SDP4BitFabricStrategy`: the Fabric strategy (also reachable as `Fabric(strategy="sdp4bit")`);
+- `SDP4BitSimulationStrategy`: a job of M x L ranks trained on one device, for the Trainer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _LAZY = {
     "dequantize": "lightning_sdp4bit.reference.quantize",
     "SDP4BitStrategy": "lightning_sdp4bit.strategies",
     "SDP4BitFabricStrategy": "lightning_sdp4bit.strategies",
+    "SDP4BitSimulationStrategy": "lightning_sdp4bit.strategies",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

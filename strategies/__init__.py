@@ -1,7 +1,8 @@
 """Lightning strategies of lightning-sdp4bit, installed as `lightning_sdp4bit.strategies`.
 
 - `SDP4BitStrategy`: for the Trainer (imports lightning.pytorch);
-- `SDP4BitFabricStrategy`: for Fabric (imports lightning.fabric only).
+- `SDP4BitFabricStrategy`: for Fabric (imports lightning.fabric only);
+- `SDP4BitSimulationStrategy`: a job of M x L ranks trained on one device, for the Trainer.
 
 Each is imported on first use, so that a Fabric script does not pay for importing the Trainer.
 """
@@ -15,6 +16,7 @@ _LAZY = {
     "SUPPORTED_PRECISIONS": "lightning_sdp4bit.strategies.common",
     "SDP4BitStrategy": "lightning_sdp4bit.strategies.sdp4bit",
     "SDP4BitFabricStrategy": "lightning_sdp4bit.strategies.fabric",
+    "SDP4BitSimulationStrategy": "lightning_sdp4bit.strategies.simulation",
 }
 
 __all__ = sorted(_LAZY)

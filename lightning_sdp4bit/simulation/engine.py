@@ -21,7 +21,8 @@ optimizer states of all ranks together cost what one rank of a one-rank job woul
 What the driver calls, per optimizer step (the engine's own names where they mean the same):
 `receive_grads(rank, accumulating)` after each rank's backward; `finish_grad_sync`;
 `clip_grad_norm`; `prepare_step`; every rank's `optimizers` step (`step_other_ranks` steps all but
-rank 0's, which the caller steps, as Lightning does); `start_weight_sync`; `discard_grads`.
+rank 0's, which the caller steps, as Lightning does); `start_weight_sync`. The next gradient after
+an exchange opens a new window (`discard_grads` drops one early).
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ class SimulatedEngine:
         """Re-point `optimizer` at rank 0's master fragments (as `ShardedEngine.shard_optimizer`)
         and give every other rank an optimizer of the same class and options over its own."""
         shard_optimizer(self, optimizer)  # type: ignore[arg-type]
+        # Its zero_grad stays torch's: it must not end the simulated window. Lightning calls it
+        # after the first micro-batch's forward, when the other ranks' backward passes have
+        # already run; a window ends when its exchange has run (the next gradient opens another).
+        del optimizer.zero_grad
         names = self.optimizer_param_names[-1]
         cls = type(optimizer)
         # The constructor's own keywords: `defaults` may hold more (AdamW's decoupled_weight_decay).
