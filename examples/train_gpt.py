@@ -5,6 +5,7 @@
         trainer.accelerator=cpu sdp4bit.weight_bits=8    # your text, 8-bit weight differences
     python examples/train_gpt.py sdp4bit.preset=qw       # an ablation: baseline qw qwd ulq tlq tlq_hs sdp4bit
     python examples/train_gpt.py sdp4bit.ranks_per_node=1   # 2 processes as 2 virtual nodes (int4 stage)
+    python examples/train_gpt.py sdp4bit.simulate=16x4   # as a job of 16 nodes x 4 ranks would, on one device
     python examples/train_gpt.py --config my.yaml model.n_layer=6
     python examples/train_gpt.py --help                  # this text and every setting
 
@@ -21,7 +22,15 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from gpt.config import DEFAULT_CONFIG, ConfigError, Settings, check_world, load_config, sdp4bit_config
+from gpt.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    Settings,
+    check_world,
+    load_config,
+    sdp4bit_config,
+    simulated_world,
+)
 from gpt.data import TokenDataModule, load_tokens, vocab_size_of
 from gpt.module import GPTModule
 from gpt.summary import RunSummary
@@ -29,7 +38,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_sdp4bit  # noqa: F401  (registers the "sdp4bit" strategy name)
-from lightning_sdp4bit import SDP4BitStrategy
+from lightning_sdp4bit import SDP4BitSimulationStrategy, SDP4BitStrategy
 
 
 def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
@@ -70,14 +79,18 @@ def main(argv: list[str]) -> None:
     config_path, overrides = parse_args(argv)
     s = load_config(overrides, config_path)
     accelerator, devices, precision = hardware(s)
+    simulated = simulated_world(s)
+    if simulated is not None:
+        devices = 1  # one device runs every simulated rank
     check_world(s, devices)
     tokens = load_tokens(s.data.path)
     vocab_size = vocab_size_of(tokens, s.model.vocab_size)
     data = TokenDataModule(tokens, s.model.block_size, s.data.batch_size, s.data.val_fraction)
-    if len(data.train_set) < devices * s.data.batch_size:
+    ranks = devices if simulated is None else simulated[0] * simulated[1]
+    if len(data.train_set) < ranks * s.data.batch_size:
         raise ConfigError(
             "data.batch_size",
-            f"{s.data.batch_size} sequences x {devices} processes is more than the "
+            f"{s.data.batch_size} sequences x {ranks} ranks is more than the "
             f"{len(data.train_set)} training windows of the corpus",
         )
 
@@ -85,7 +98,10 @@ def main(argv: list[str]) -> None:
     L.seed_everything(s.trainer.seed, workers=True, verbose=False)
     model_settings = {**vars(s.model), "vocab_size": vocab_size}
     module = GPTModule(model=model_settings, optim=vars(s.optim))
-    strategy = SDP4BitStrategy(config=sdp4bit_config(s), start_method=s.trainer.start_method)
+    if simulated is None:
+        strategy = SDP4BitStrategy(config=sdp4bit_config(s), start_method=s.trainer.start_method)
+    else:
+        strategy = SDP4BitSimulationStrategy(simulated, config=sdp4bit_config(s))
     csv = CSVLogger(s.trainer.out_dir, name="")
     loggers = [csv]
     if importlib.util.find_spec("tensorboard") is not None:

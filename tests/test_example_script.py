@@ -7,7 +7,9 @@ Checks:
 - a short run with sdp4bit on 2 CPU processes as 2 virtual nodes, on a file of bytes that are
   not UTF-8: it ends with the summary (the loss fell, fewer bytes on the wire than uncompressed,
   4.016 bits per weight and 4.25 per gradient across nodes), a decoded sample, summary.json and a
-  metrics.csv with the validation curve.
+  metrics.csv with the validation curve;
+- `sdp4bit.simulate=2x2` trains as a job of 4 ranks in one process: the summary counts every
+  simulated rank's tokens and bytes.
 """
 
 import json
@@ -32,6 +34,7 @@ def run_script(*overrides: str) -> subprocess.CompletedProcess:
     [
         ("data.path=/no/such/file.txt", "error: data.path: '/no/such/file.txt' does not exist"),
         ("model.dropout=2", "error: model.dropout: must be in [0, 1), got 2.0"),
+        ("sdp4bit.simulate=16by4", "error: sdp4bit.simulate: simulate='16by4': expected 'MxL' (M nodes of L ranks each), e.g. '16x4'"),
         (
             "sdp4bit.ranks_per_node=3",
             "error: sdp4bit.ranks_per_node: ranks_per_node=3 must divide the world size 2: "
@@ -91,3 +94,26 @@ def test_short_run_on_non_utf8_text_ends_with_the_summary(tmp_path):
     assert len(val) == 3  # after steps 10, 20 and the final step 25
     assert val[-1] < val[0]
     assert val[-1] == pytest.approx(summary["final_val_loss"])
+
+
+def test_simulated_job_runs_from_the_example(tmp_path):
+    result = run_script(
+        f"trainer.out_dir={tmp_path / 'runs'}",
+        "trainer.accelerator=cpu",
+        "sdp4bit.simulate=2x2",
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=32",
+        "data.batch_size=2",
+        "trainer.max_steps=4",
+        "trainer.val_every=4",
+        "data.val_batches=2",
+        "trainer.progress_bar=false",
+        "trainer.sample_bytes=0",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "=== summary: 4 steps on 4 simulated ranks in 1 process ===" in result.stdout
+    summary = json.loads((tmp_path / "runs" / "version_0" / "summary.json").read_text())
+    assert summary["train_tokens"] == 4 * 4 * 2 * 32  # steps x simulated ranks x batch x context
+    assert summary["bits_per_element"]["grad_inter"] == pytest.approx(4 + 32 / 128)

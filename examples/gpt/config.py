@@ -18,6 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from lightning_sdp4bit import SDP4BitConfig
+from lightning_sdp4bit.simulation import parse_world
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt.yaml"
 
@@ -129,8 +130,8 @@ def _allowed_keys(full_key: str) -> str:
 
 def sdp4bit_config(settings: Settings) -> SDP4BitConfig:
     """The SDP4BitConfig of the ``sdp4bit`` block. A null field means "as the preset has it"."""
-    values = {key: value for key, value in settings.sdp4bit.items() if value is not None}
-    allowed = ["preset", *SDP4BitConfig.field_names()]
+    values = {key: value for key, value in settings.sdp4bit.items() if value is not None and key != "simulate"}
+    allowed = ["preset", "simulate", *SDP4BitConfig.field_names()]
     for key in values:
         if key not in allowed:
             raise ConfigError(f"sdp4bit.{key}", f"unknown key; sdp4bit.* takes {', '.join(allowed)}")
@@ -186,8 +187,21 @@ def check_config(s: Settings) -> None:
     sdp4bit_config(s)  # raises on unknown fields or bad values
 
 
+def simulated_world(s: Settings) -> tuple[int, int] | None:
+    """sdp4bit.simulate ("MxL") as (M, L), or None to train with real processes."""
+    spec = s.sdp4bit.get("simulate")
+    if spec is None:
+        return None
+    try:
+        return parse_world(str(spec))
+    except ValueError as err:
+        raise ConfigError("sdp4bit.simulate", str(err)) from None
+
+
 def check_world(s: Settings, world_size: int) -> None:
     """Checks against the number of processes: nodes must divide it."""
+    if simulated_world(s) is not None:
+        return  # the simulation takes its shape from sdp4bit.simulate
     try:
         sdp4bit_config(s).resolve_ranks_per_node(world_size, local_world_size=world_size)
     except ValueError as err:

@@ -58,9 +58,14 @@ class RunSummary(L.Callback):
         loss_sum, loss_count, tokens, wire, uncompressed = trainer.strategy.reduce(
             torch.tensor(local, dtype=torch.float64, device=pl_module.device), reduce_op="sum"
         ).tolist()
+        # A simulated job (sdp4bit.simulate) runs its ranks in this one process, each with as many
+        # tokens and (the collectives being symmetric) as many bytes on the wire as rank 0.
+        ranks = getattr(trainer.strategy, "simulated_world_size", 1)
+        tokens, wire, uncompressed = tokens * ranks, wire * ranks, uncompressed * ranks
         val_loss = float(trainer.callback_metrics.get("val/loss", math.nan))
         self.summary = {
             "processes": trainer.world_size,
+            "simulated_ranks": getattr(trainer.strategy, "simulated_world_size", None),
             "steps": trainer.global_step,
             "train_tokens": int(tokens),
             "train_seconds": seconds,
@@ -99,9 +104,10 @@ def human_bytes(n: float) -> str:
 def format_summary(s: dict) -> str:
     saved = s["uncompressed_bytes"] - s["wire_bytes"]
     ratio = s["uncompressed_bytes"] / s["wire_bytes"] if s["wire_bytes"] else math.nan
+    ran_on = f"{s['simulated_ranks']} simulated ranks in 1 process" if s["simulated_ranks"] else f"{s['processes']} processes"
     return "\n".join(
         [
-            f"\n=== summary: {s['steps']} steps on {s['processes']} processes ===",
+            f"\n=== summary: {s['steps']} steps on {ran_on} ===",
             f"throughput   {s['tokens_per_second']:,.0f} tokens/s ({s['train_tokens']:,} training tokens "
             f"in {s['train_seconds']:.1f} s, validation excluded)",
             f"train loss   {s['final_train_loss']:.4f} (mean of the last {LOSS_WINDOW} batches, all processes)",

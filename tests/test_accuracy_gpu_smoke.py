@@ -1,0 +1,47 @@
+"""The GPU accuracy study's script (benchmarks/accuracy_gpu.py --smoke) on CPU, as CI runs it:
+- a tiny GPT trains as a simulated 2 x 2 job on the installed packages' source files and its
+  held-out validation loss falls;
+- a run stopped by its time budget saves its state and, resumed, ends with the straight run's
+  final validation loss bit for bit (the study spans many device calls);
+- the report has a row per preset (finished or pending) and the corpus's hashes, and the plot exists.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "accuracy_gpu.py"
+
+
+def _study(*args: str) -> str:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_smoke_study_trains_resumes_exactly_and_reports(tmp_path):
+    straight, resumed, docs = tmp_path / "straight", tmp_path / "resumed", tmp_path / "docs"
+    _study("--runs", "baseline-d0,sdp4bit-r0", "--results", str(straight), "--state", str(tmp_path / "s1"))
+    out = _study("--runs", "sdp4bit-r0", "--results", str(resumed), "--state", str(tmp_path / "s2"), "--budget", "0.5")
+    assert "out of budget at step" in out and not (resumed / "sdp4bit-r0.json").exists()
+    out = _study("--runs", "sdp4bit-r0", "--results", str(resumed), "--state", str(tmp_path / "s2"))
+    assert "sdp4bit-r0: resumed at step" in out
+
+    first = json.loads((straight / "sdp4bit-r0.json").read_text())
+    again = json.loads((resumed / "sdp4bit-r0.json").read_text())
+    assert again["final_val_loss"] == first["final_val_loss"]
+    assert again["val_curve"] == first["val_curve"]
+    curve = [loss for _, loss in first["val_curve"]]
+    assert curve[-1] < curve[0] - 0.3 and curve[0] < math.log(256) + 0.5
+    assert first["bits_per_element"]["grad_inter_bits_per_element"] == 4 + 32 / 128
+    assert first["corpus"]["val_files"] > 0 and len(first["corpus"]["content_sha256"]) == 64
+
+    docs.mkdir()
+    _study("--report", "--results", str(straight), "--docs", str(docs))
+    report = (docs / "accuracy_gpu.md").read_text()
+    assert "| sdp4bit | 1 |" in report and "| qw | pending |" in report
+    assert first["corpus"]["file_list_sha256"] in report
+    assert (docs / "accuracy_gpu.png").stat().st_size > 0
