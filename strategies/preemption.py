@@ -41,7 +41,9 @@ from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 __all__ = ["PreemptionSignal"]
 
-log = logging.getLogger(__name__)
+# The logger of the handler this one replaces: "[rank: 1] Received SIGTERM: 15" reads and filters
+# as it did (Lightning shows it at INFO level).
+log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")
 
 
 class PreemptionSignal:
