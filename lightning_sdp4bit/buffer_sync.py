@@ -19,6 +19,7 @@ No Lightning here: a test drives it with a plain module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,6 +78,14 @@ class BufferBroadcast:
         self.wait()
         self._sync_next = torch.is_grad_enabled() and grad_sync
 
+    def follow_forward(self, grad_sync: Callable[[], bool]) -> None:
+        """Run around every forward of the module itself (what DDP's wrapper wraps): for an adapter
+        whose forward is the module's (Fabric). `grad_sync()` says whether gradient sync is on."""
+        if self.enabled:
+            # Prepended: the broadcast must start before the root's own wait hook (if it owns buffers).
+            self._handles.append(self.module.register_forward_pre_hook(_BeforeForward(self), prepend=True))
+            self._handles.append(self.module.register_forward_hook(_AfterForward(self, grad_sync)))
+
     def close(self) -> None:
         """Finish what is in flight and remove the hooks."""
         self.wait()
@@ -100,5 +109,23 @@ class _BufferWaitHook:
 
 
 class _NoWait:
-    def __call__(self, module: nn.Module, args: tuple) -> None:
+    def __call__(self, module: nn.Module, *args: Any) -> None:
         return None
+
+
+class _BeforeForward(_BufferWaitHook):
+    """Forward pre-hook of the root module: start the broadcast if DDP would."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.broadcast.before_forward()
+
+
+class _AfterForward(_BufferWaitHook):
+    """Forward hook of the root module: finish the broadcast, note DDP's rule for the next one."""
+
+    def __init__(self, broadcast: BufferBroadcast, grad_sync: Callable[[], bool]):
+        super().__init__(broadcast)
+        self.grad_sync = grad_sync
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.broadcast.after_forward(self.grad_sync())

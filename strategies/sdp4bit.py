@@ -268,8 +268,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
 
     def _forward(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One step is one forward of DDP's wrapper: the buffers follow its broadcast_buffers
-        schedule around it (lightning_sdp4bit.buffer_sync). Outside fit (no engine) the buffers
-        were synced at setup and an evaluation forward changes none, as under DDP."""
+        schedule around it (lightning_sdp4bit.buffer_sync). Outside fit (no engine) DDPStrategy
+        wraps nothing either: the buffers were synced once at setup, as there."""
         if self.engine is None:
             return step(*args, **kwargs)
         self.engine.buffers.before_forward()

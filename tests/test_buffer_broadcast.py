@@ -1,10 +1,12 @@
-"""Module buffers under sdp4bit follow DDP's (issue 25, item 2; issue 27, item 5), on 2 CPU ranks
-in one pair of processes, against DDPStrategy, the oracle, rank by rank:
-- with compression off and fp32, every rank's buffers (BatchNorm1d's running mean, variance and
-  batch count, and a custom buffer that forward updates) and weights equal DDP's on that rank,
-  bit for bit, after a fit with gradient accumulation (DDP's no_sync schedule) and validation
+"""Module buffers under sdp4bit follow DDP's (issue 25, item 2; issue 27, item 5), on 2 CPU ranks,
+against DDPStrategy, the oracle, rank by rank:
+- Trainer: with compression off and fp32, every rank's buffers (BatchNorm1d's running mean,
+  variance and batch count, and a custom buffer that forward updates) and weights equal DDP's
+  on that rank, bit for bit, after a fit with gradient accumulation (DDP's no_sync schedule) and validation
   mid-fit, and again after a resume from a checkpoint; the ranks' data differ, so rank 1's
   buffers differ from rank 0's at the end under DDP too (the comparison can fail);
+- Fabric: the same against Fabric's DDP, with no_backward_sync micro-batches and a no-grad
+  forward between steps, the module itself owning a buffer;
 - `broadcast_buffers=False` equals `DDPStrategy(broadcast_buffers=False)`: each rank keeps its own;
 - `Trainer(sync_batchnorm=True)` converts the BatchNorm layers to SyncBatchNorm for the fit and
   back afterwards, as DDPStrategy does; on CPU torch's SyncBatchNorm cannot train (it needs a
@@ -21,21 +23,36 @@ from torch import nn
 STEPS = 5  # 10 batches: validation after batches 4 and 8, training last
 
 
+class BufferNet(nn.Module):
+    """Linear -> BatchNorm1d -> Linear, and a buffer of its own that forward updates (an input EMA)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.register_buffer("input_ema", torch.zeros(8))
+
+    def forward(self, x):
+        self.input_ema.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.net(x + self.input_ema)  # the buffer feeds the output, so the weights see it
+
+
+def _data(seed, rank=None):
+    g = torch.Generator().manual_seed(seed if rank is None else 100 * seed + rank)
+    x = torch.randn(64 if rank is None else 4, 8, generator=g) + 1
+    return x, x.mean(1, keepdim=True)
+
+
 def _module_class():
     import lightning.pytorch as pl
 
     class BufferModule(pl.LightningModule):
-        """Linear -> BatchNorm1d -> Linear, and a buffer that forward updates (an input EMA)."""
-
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-            self.register_buffer("input_ema", torch.zeros(8))
+            self.model = BufferNet()
 
         def forward(self, x):
-            self.input_ema.mul_(0.9).add_(x.mean(0), alpha=0.1)
-            return self.net(x + self.input_ema)  # the buffer feeds the output, so the weights see it
+            return self.model(x)
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -49,10 +66,7 @@ def _module_class():
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
         def _loader(self, seed):
-            g = torch.Generator().manual_seed(seed)
-            x = torch.randn(64, 8, generator=g) + 1
-            data = torch.utils.data.TensorDataset(x, x.mean(1, keepdim=True))
-            return torch.utils.data.DataLoader(data, batch_size=4)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data(seed)), batch_size=4)
 
         def train_dataloader(self):
             return self._loader(0)
@@ -115,7 +129,7 @@ def _sync_batchnorm(world, BufferModule):
             make_trainer(world, strategy, max_steps=1, sync_batchnorm=True).fit(module)
         except ValueError as caught:
             error = str(caught)
-        seen[name] = (type(module.net[1]).__name__, error)
+        seen[name] = (type(module.model.net[1]).__name__, error)
     return seen
 
 
@@ -133,14 +147,45 @@ def test_buffers_and_sync_batchnorm_equal_ddp_on_every_rank(tmp_path):
     # The oracle is not trivial: the ranks' buffers differ under DDP (rank 1 updated rank 0's
     # with its own last batch), and without the broadcast each rank's differ from DDP's.
     ddp0, ddp1 = results[0]["ddp"]["buffers"], results[1]["ddp"]["buffers"]
-    assert not torch.equal(ddp0["net.1.running_mean"], ddp1["net.1.running_mean"])
-    assert not torch.equal(ddp1["input_ema"], results[1]["ddp-off"]["buffers"]["input_ema"])
+    assert not torch.equal(ddp0["model.net.1.running_mean"], ddp1["model.net.1.running_mean"])
+    assert not torch.equal(ddp1["model.input_ema"], results[1]["ddp-off"]["buffers"]["model.input_ema"])
     for result in results:  # sync_batchnorm=True
         seen = result["sync_batchnorm"]
         # Converted (the error finds SyncBatchNorm layers), then reverted after fit, as under DDP.
         assert seen["sdp4bit"][0] == seen["ddp"][0] == "_BatchNormXd"
         assert "SyncBatchNorm layers only work with GPU modules" in seen["ddp"][1]
         assert "SyncBatchNorm layers (Trainer(sync_batchnorm=True)" in seen["sdp4bit"][1]
+
+
+def _fabric_with_ddp(rank, world):
+    """Fabric: accumulation (no_backward_sync), steps, and a no-grad forward between steps."""
+    from fabric_runs import make_fabric
+    from fabric_runs import sdp4bit as fabric_sdp4bit
+
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("sdp4bit", fabric_sdp4bit(preset="baseline"))):
+        fabric = make_fabric(world, strategy)
+        net = BufferNet()
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        for step in range(3):
+            for micro in range(2):
+                x, y = _data(10 * step + micro, rank)
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                model(_data(99, rank)[0])
+        out[name] = {n: b.clone() for n, b in net.named_buffers()}
+    return out
+
+
+def test_fabric_buffers_equal_ddp_on_every_rank():
+    results = run_workers(_fabric_with_ddp, 2)
+    for rank, result in enumerate(results):
+        for name, expected in result["ddp"].items():
+            assert torch.equal(result["sdp4bit"][name], expected), (rank, name)
+    assert not torch.equal(results[0]["ddp"]["input_ema"], results[1]["ddp"]["input_ema"])
 
 
 # ------------------------------------------------------------------------------------------------
