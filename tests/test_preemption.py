@@ -3,9 +3,9 @@
   operations of a save of `last.ckpt` (before its first write, before a shard's fsync, around
   the manifest's commit, after it) and in backward while bucket exchanges are in flight: both
   ranks stop with Lightning's SIGTERMException at the same step, right after that save
-  completes, and `fit(ckpt_path="last")` resumes from that step and ends bit for bit like a
-  straight run. Lightning's own handler hung every rank here (it broadcasts from inside the
-  signal handler);
+  completes, OnExceptionCheckpoint saves on every rank together, and `fit(ckpt_path="last")`
+  resumes from that step and ends bit for bit like a straight run. Lightning's own handler hung
+  every rank here (it broadcasts from inside the signal handler);
 - as a user runs it, under Lightning's launcher (popen: rank 0 SIGTERMed between writing the new
   manifest and renaming it into place, the instant the issue reported) and under torchrun
   (rank 1 SIGTERMed before its shard's fsync): both processes exit (status 0, as Lightning's
@@ -48,15 +48,20 @@ def _module():
 
 
 def _checkpointing(directory, *extra):
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-    return [ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0, every_n_train_steps=1), *extra]
+    return [
+        ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0, every_n_train_steps=1),
+        OnExceptionCheckpoint(dirpath=directory),  # saves on_exception.ckpt, on every rank together
+        *extra,
+    ]
 
 
 def _sigterm_then_resume(rank, world, directory):
     from lightning.pytorch.callbacks import Callback
 
     from lightning_sdp4bit import SDP4BitStrategy
+    from lightning_sdp4bit.checkpoint import is_sharded_checkpoint, read_meta
 
     class StartStep(Callback):
         def on_train_start(self, trainer, module):
@@ -84,22 +89,25 @@ def _sigterm_then_resume(rank, world, directory):
                     trainer.fit(_module())
         except SystemExit:  # Lightning's SIGTERMException
             stopped = trainer.global_step
+        on_exception = f"{folder}/on_exception.ckpt"
+        saved_on_exception = is_sharded_checkpoint(on_exception) and read_meta(on_exception)["lightning"]["global_step"]
         start = StartStep()
         resumed = _module()
         make_trainer(
             world, sdp4bit(), max_steps=MAX_STEPS, enable_checkpointing=True, callbacks=_checkpointing(folder, start)
         ).fit(resumed, ckpt_path="last")
         exact = all(torch.equal(weights(resumed)[name], value) for name, value in expected.items())
-        outcomes.append((victim, at, stopped, start.step, exact))
+        outcomes.append((victim, at, stopped, saved_on_exception, start.step, exact))
     return outcomes
 
 
 def test_sigterm_at_any_point_of_a_save_or_backward_stops_every_rank_and_resumes(tmp_path):
     results = run_workers(_sigterm_then_resume, 2, str(tmp_path))
     for rank, outcomes in enumerate(results):
-        for victim, at, stopped, start, exact in outcomes:
+        for victim, at, stopped, saved_on_exception, start, exact in outcomes:
             point = (rank, victim, at)
             assert stopped == SIGTERM_STEP, point  # every rank, right after the save in progress
+            assert saved_on_exception == SIGTERM_STEP, point  # OnExceptionCheckpoint saved collectively
             assert start == SIGTERM_STEP, point  # "last" is that save's checkpoint
             assert exact, point
 
