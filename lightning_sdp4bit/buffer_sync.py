@@ -40,6 +40,10 @@ class BufferBroadcast:
         self._sync_next = True  # DDP's require_forward_param_sync: True before the first forward
         # Per dtype: (the buffers, their concatenation [B] being broadcast, its Work handle).
         self._in_flight: list[tuple[list[Tensor], Tensor, Any]] = []
+        # (owner, name) of every buffer, the same on every rank (so the collectives match). The
+        # tensor is looked up at each broadcast, since a module may re-assign a buffer
+        # (self.buf = new tensor): host cost one lookup per buffer, not a walk over the modules.
+        self._slots = [(m, name) for m in module.modules() for name, b in m._buffers.items() if b is not None]
         self._handles = [
             m.register_forward_pre_hook(_BufferWaitHook(self))
             for m in module.modules()
@@ -48,13 +52,13 @@ class BufferBroadcast:
 
     def before_forward(self) -> None:
         """Start the broadcast if DDP would broadcast before this forward. Collective when it does."""
-        if not self.enabled or not self._sync_next or self._in_flight:
+        if not self.enabled or not self._sync_next or self._in_flight or not self._slots:
             return
-        # Read afresh each time: a module may have re-assigned a buffer (self.buf = new tensor).
-        # Every rank finds the same buffers in the same order, so the collectives match.
         by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for buffer in self.module.buffers():
-            by_dtype.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for owner, name in self._slots:
+            buffer = owner._buffers.get(name)
+            if buffer is not None:  # a buffer set to None since is left out on every rank alike
+                by_dtype.setdefault((buffer.dtype, buffer.device), []).append(buffer)
         with torch.no_grad():
             for buffers in by_dtype.values():
                 flat = torch.cat([b.reshape(-1) for b in buffers])
