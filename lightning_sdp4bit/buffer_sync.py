@@ -67,6 +67,8 @@ class BufferBroadcast:
 
     def wait(self) -> None:
         """Complete the broadcast and copy rank 0's values into this rank's buffers. Idempotent."""
+        if not self._in_flight:
+            return  # the usual case in a module's pre-hook: nothing to trace under torch.compile
         in_flight, self._in_flight = self._in_flight, []
         with torch.no_grad():
             for buffers, flat, work in in_flight:

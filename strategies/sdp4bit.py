@@ -273,6 +273,9 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         if self.engine is None:
             return step(*args, **kwargs)
         self.engine.buffers.before_forward()
+        compiled = getattr(self.lightning_module, "_compiler_ctx", None) is not None  # trainer.fit(torch.compile(m))
+        if compiled or (self._compile_watch is not None and self._compile_watch.seen):
+            self.engine.buffers.wait()  # compiled code then finds nothing in flight: no Work.wait traced
         output = step(*args, **kwargs)
         self.engine.buffers.after_forward(grad_sync=not self._backward_sync_blocked)
         return output

@@ -11,6 +11,8 @@ against DDPStrategy, the oracle, rank by rank:
 - `Trainer(sync_batchnorm=True)` converts the BatchNorm layers to SyncBatchNorm for the fit and
   back afterwards, as DDPStrategy does; on CPU torch's SyncBatchNorm cannot train (it needs a
   GPU), and both strategies refuse it at setup with an error that says so;
+- `trainer.fit(torch.compile(module))`: buffers and weights equal DDP's, with no graph break and
+  as many graphs as under DDPStrategy (the broadcast is waited for before compiled code runs);
 - without a Trainer: the engine's broadcast runs only when DDP's would, and waits in the
   owning module's forward pre-hook.
 """
@@ -220,3 +222,33 @@ def test_the_broadcast_runs_on_ddps_schedule():
     # First forward: always. After a no_sync forward: not. After a synced training forward: yes.
     # After an evaluation forward (no grad): not. Disabled: never.
     assert run_workers(_schedule, 2) == [[True, False, True, False, False, False]] * 2
+
+
+def _compiled(rank, world):
+    """trainer.fit(torch.compile(module)) under both strategies: buffers, graph breaks, graphs."""
+    import torch._dynamo
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for name, strategy in (("ddp", DDPStrategy()), ("sdp4bit", sdp4bit(preset="baseline"))):
+        torch._dynamo.reset()
+        counters.clear()
+        module = _module_class()()
+        make_trainer(world, strategy, max_steps=3, accumulate_grad_batches=2).fit(torch.compile(module))
+        out[name] = {
+            **_state(module),
+            "graph_breaks": dict(counters["graph_break"]),
+            "graphs": counters["stats"]["unique_graphs"],
+        }
+    return out
+
+
+def test_compiled_module_buffers_equal_ddp_with_no_graph_break_or_recompile():
+    for rank, result in enumerate(run_workers(_compiled, 2)):
+        ours, oracle = result["sdp4bit"], result["ddp"]
+        assert ours["graph_breaks"] == oracle["graph_breaks"] == {}, (ours["graph_breaks"], oracle["graph_breaks"])
+        assert ours["graphs"] == oracle["graphs"] > 0, (ours["graphs"], oracle["graphs"])
+        for kind in ("buffers", "weights"):
+            for name, expected in oracle[kind].items():
+                assert torch.equal(ours[kind][name], expected), (rank, kind, name)
