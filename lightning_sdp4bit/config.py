@@ -163,6 +163,11 @@ class SDP4BitConfig:
     comm/nonfinite_steps and warned about), "error" (raise on every rank) or "propagate" (step
     anyway, as DDP does). Every rank takes the same decision."""
 
+    broadcast_buffers: bool = True
+    """Before a forward, every rank takes rank 0's module buffers (BatchNorm's running statistics,
+    any registered buffer), on DDP's schedule, as DDP's `broadcast_buffers=True` (its default);
+    false: each rank keeps its own, as DDP's `broadcast_buffers=False`."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_quant", coerce_enum("weight_quant", self.weight_quant, WeightQuant))
         object.__setattr__(self, "grad_quant", coerce_enum("grad_quant", self.grad_quant, GradQuant))
@@ -199,6 +204,8 @@ class SDP4BitConfig:
         _check_int("seed", self.seed)
         if not isinstance(self.log_comm_stats, bool):
             raise ValueError(f"log_comm_stats must be true or false, got {self.log_comm_stats!r}")
+        if not isinstance(self.broadcast_buffers, bool):
+            raise ValueError(f"broadcast_buffers must be true or false, got {self.broadcast_buffers!r}")
 
     # ----------------------------------------------------------------------------------------
     # Derived properties

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sdp4bit import comm
+from lightning_sdp4bit.buffer_sync import BufferBroadcast
 from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, layout_signature, plan_buckets
 from lightning_sdp4bit.collectives import Pending, grad_collective_for
 from lightning_sdp4bit.config import SDP4BitConfig, auto_bucket_numel
@@ -164,6 +165,8 @@ class ShardedEngine:
         self.optimizers: list[torch.optim.Optimizer] = []  # re-pointed by shard_optimizer
         self._wait_all_before_forward = False
         self._hooks = register_hooks(self)
+        # Module buffers follow DDP's broadcast_buffers: the adapters call before/after_forward.
+        self.buffers = BufferBroadcast(module, groups.world, topology.rank, config.broadcast_buffers)
 
     # ----------------------------------------------------------------------------------------
     # Setup
@@ -410,6 +413,7 @@ class ShardedEngine:
     def close(self) -> None:
         """Finish pending communication and remove the hooks; the module keeps its weights."""
         self.wait_weights()
+        self.buffers.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -45,6 +45,7 @@ __all__ = [
     "build_engine",
     "check_precision",
     "check_start_method",
+    "check_sync_batchnorm_device",
     "check_topology",
     "connect",
     "load_ordinary_state",
@@ -119,6 +120,18 @@ def check_topology(config: SDP4BitConfig, num_nodes: int, num_processes: int, de
     config.resolve_ranks_per_node(num_nodes * num_processes, num_processes)
     if devices:
         ops.check_kernel_limits(config, devices[0].type)
+
+
+def check_sync_batchnorm_device(module: nn.Module, device: torch.device) -> None:
+    """torch's SyncBatchNorm trains on GPUs only: refuse it at setup, as DDP's constructor does,
+    rather than at the first training step."""
+    if device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        raise ValueError(
+            "SyncBatchNorm layers (Trainer(sync_batchnorm=True) or nn.SyncBatchNorm.convert_sync_batchnorm) "
+            "only work on GPU modules, under sdp4bit as under DDPStrategy; this module is on the CPU. Train on "
+            "GPUs, or keep BatchNorm (every rank then takes rank 0's running statistics before a forward, as "
+            "under DDP)."
+        )
 
 
 def set_world_ranks(strategy: Any) -> None:

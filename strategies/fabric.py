@@ -139,6 +139,9 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
             module, self.config, self.global_rank, self.world_size, self.num_processes, self.meter
         )
         self._compile_watch = common.CompiledRegionWatch(module)
+        # Fabric calls the module's own forward (DDP's wrapper would): buffers follow it.
+        engine = self.engine
+        engine.buffers.follow_forward(lambda: engine.grad_sync_enabled)
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

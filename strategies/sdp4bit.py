@@ -36,6 +36,7 @@ from lightning_sdp4bit.strategies import common, peers
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
 from lightning_sdp4bit.strategies.common import SUPPORTED_PRECISIONS
 from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
+from lightning_sdp4bit.strategies.preemption import PreemptionSignal
 from torch import Tensor
 
 from lightning_sdp4bit import checkpoint as sharded_checkpoint
@@ -97,6 +98,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         self.engine: ShardedEngine | None = None
         self._weight_hooks: WeightReadingHooks | None = None
         self._compile_watch: common.CompiledRegionWatch | None = None
+        self._preemption: PreemptionSignal | None = None
+        self._backward_sync_blocked = False  # inside block_backward_sync (DDP's no_sync)
         self.meter = WireMeter()
         self.comm_stats: dict[str, float] = {}
         """The last optimizer step's communication figures (see lightning_sdp4bit.stats)."""
@@ -148,8 +151,14 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self._preemption = PreemptionSignal(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            # Trainer(sync_batchnorm=True), as DDPStrategy: SyncBatchNorm for the fit, reverted
+            # at teardown. The converted modules keep the same Parameter objects.
+            self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        common.check_sync_batchnorm_device(self.model, self.root_device)
         self.engine = None
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_finetuning_callbacks(trainer)
@@ -233,10 +242,43 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
             yield
             return
         enabled, self.engine.grad_sync_enabled = self.engine.grad_sync_enabled, False
+        self._backward_sync_blocked = True
         try:
             yield
         finally:
             self.engine.grad_sync_enabled = enabled
+            self._backward_sync_blocked = False
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A SIGTERM on any rank stops every rank here, at the same batch (strategies/preemption.py).
+        if self._preemption is not None:
+            self._preemption.stop_if_signalled()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(super().training_step, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(super().predict_step, *args, **kwargs)
+
+    def _forward(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One step is one forward of DDP's wrapper: the buffers follow its broadcast_buffers
+        schedule around it (lightning_sdp4bit.buffer_sync). Outside fit (no engine) DDPStrategy
+        wraps nothing either: the buffers were synced once at setup, as there."""
+        if self.engine is None:
+            return step(*args, **kwargs)
+        self.engine.buffers.before_forward()
+        compiled = getattr(self.lightning_module, "_compiler_ctx", None) is not None  # trainer.fit(torch.compile(m))
+        if compiled or (self._compile_watch is not None and self._compile_watch.seen):
+            self.engine.buffers.wait()  # compiled code then finds nothing in flight: no Work.wait traced
+        output = step(*args, **kwargs)
+        self.engine.buffers.after_forward(grad_sync=not self._backward_sync_blocked)
+        return output
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
@@ -298,6 +340,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         if self._compile_watch is not None:
             self._compile_watch.close()
             self._compile_watch = None
+        if self._preemption is not None:
+            self._preemption.close()
+            self._preemption = None
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync:
+                self.model = self._layer_sync.revert(self.model)
         super().teardown()
 
     # ----------------------------------------------------------------------------------------

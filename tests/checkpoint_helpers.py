@@ -38,10 +38,14 @@ class InjectedFault(OSError):
 class FileOps:
     """`with FileOps(fail_at=k):` counts every file operation in FILE_OPERATIONS (opening for
     reading is not one) and makes operation k (0-based) fail before it runs: it raises
-    InjectedFault, or calls `action` (e.g. one that SIGKILLs the process). `ops` lists them."""
+    InjectedFault, or calls `action` (e.g. one that SIGKILLs the process). With `proceed=True`
+    operation k runs after `action` returns (e.g. one that sends SIGTERM, which a handler only
+    notes). `ops` lists them."""
 
-    def __init__(self, fail_at: int | None = None, action: Callable[[], None] | None = None):
-        self.fail_at, self.action = fail_at, action
+    def __init__(
+        self, fail_at: int | None = None, action: Callable[[], None] | None = None, proceed: bool = False
+    ):
+        self.fail_at, self.action, self.proceed = fail_at, action, proceed
         self.ops: list[tuple[str, str]] = []
         self.fired = False
         self._inside = False
@@ -59,7 +63,8 @@ class FileOps:
                 self.fired = True
                 if self.action is not None:
                     self.action()
-                raise InjectedFault(f"injected fault at file operation {self.fail_at}: {name}{self.ops[-1][1:]}")
+                if not self.proceed:
+                    raise InjectedFault(f"injected fault at file operation {self.fail_at}: {name}{self.ops[-1][1:]}")
             self._inside = True
             try:
                 return function(*args, **kwargs)

@@ -79,6 +79,7 @@ BAD_VALUES = [
     ("min_compress_numel", -1, ">= 0"),
     ("seed", "abc", "integer"),
     ("log_comm_stats", "yes", "true or false"),
+    ("broadcast_buffers", 1, "true or false"),
 ]
 
 
