@@ -136,7 +136,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
                 "train together into one nn.Module and call fabric.setup once"
             )
         self.engine = common.build_engine(
-            module, self.config, self.global_rank, self.world_size, self.num_processes, self.meter
+            module, self.config, self.global_rank, self.world_size, self.num_processes, self.meter, self._timeout
         )
         self._compile_watch = common.CompiledRegionWatch(module)
         return module

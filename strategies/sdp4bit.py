@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_sdp4bit.strategies import common, peers
@@ -154,7 +155,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_finetuning_callbacks(trainer)
             self.engine = common.build_engine(
-                self.model, self.config, self.global_rank, self.world_size, self.num_processes, self.meter
+                self.model,
+                self.config,
+                self.global_rank,
+                self.world_size,
+                self.num_processes,
+                self.meter,
+                self._timeout,
             )
             self._compile_watch = common.CompiledRegionWatch(self.model)
             self.setup_optimizers(trainer)
@@ -286,6 +293,11 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         note = peers.lost_peer_note(exception, getattr(self, "_peer_addresses", []), self.global_rank)
         if note and exception.args:
             exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
+        # Lightning's popen launcher stops the ranks it started only on Ctrl-C: when this one
+        # fails (a peer stalled past the timeout), a stalled rank would outlive the job, orphaned.
+        launcher = self._launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+            launcher.kill(_get_sigkill_signal())
 
     def teardown(self) -> None:
         # The engine stays (closed: no hooks, nothing in flight) so that trainer.save_checkpoint
