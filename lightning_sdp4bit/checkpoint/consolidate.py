@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from lightning_sdp4bit.checkpoint.files import checksummed_save
 from lightning_sdp4bit.checkpoint.load import find_checkpoint, read_full_state, read_meta
 
 __all__ = ["consolidate_checkpoint"]
@@ -47,6 +47,6 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike | 
     if output is not None:
         output = Path(output)
         temporary = output.with_name(output.name + ".tmp")
-        torch.save(checkpoint, temporary)
+        checksummed_save(checkpoint, temporary)  # flushed, and a full disk named as such
         os.replace(temporary, output)
     return checkpoint

@@ -18,9 +18,12 @@ XXH3-64 checksum and compares every tensor with the manifest (`verify_file`, `ch
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -107,13 +110,18 @@ class _ChecksummedFile:
 
     def __init__(self, file: Any, pool: ThreadPoolExecutor):
         self._file, self._hash, self.size = file, _RunningHash(pool), 0
+        self.write_error: OSError | None = None  # the first failed write (torch.save hides it)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _PIECE):
             piece = view[start : start + _PIECE]
             self._hash.update(piece)
-            self._file.write(piece)
+            try:
+                self._file.write(piece)
+            except OSError as error:
+                self.write_error = self.write_error or error
+                raise
         self._hash.wait()
         self.size += len(view)
         return len(view)
@@ -127,13 +135,45 @@ class _ChecksummedFile:
 
 
 def checksummed_save(obj: Any, path: Path) -> tuple[int, int]:
-    """torch.save `obj` to `path`, flushed to disk (fsync); returns (size in bytes, XXH3-64)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "wb") as file:
-        writer = _ChecksummedFile(file, pool)
-        torch.save(obj, writer)
-        file.flush()
-        os.fsync(file.fileno())
-        return writer.size, writer.checksum
+    """torch.save `obj` to `path`, flushed to disk (fsync); returns (size in bytes, XXH3-64).
+    A full disk raises a CheckpointError that says so, naming the file and the free space."""
+    with _full_disk_reported(path):
+        with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "wb") as file:
+            writer = _ChecksummedFile(file, pool)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError:
+                # torch.save reports a failed write of its file object as "[enforce fail at
+                # inline_container.cc] unexpected pos": the write's own OSError says why.
+                if writer.write_error is None:
+                    raise
+                raise writer.write_error from None
+            file.flush()
+            os.fsync(file.fileno())
+            return writer.size, writer.checksum
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left; the user's or group's quota exceeded
+
+
+@contextmanager
+def _full_disk_reported(path: Path) -> Iterator[None]:
+    """An OSError of a full disk (or quota) while writing `path` becomes a CheckpointError that
+    says so and gives the space left on the file system (statvfs: what an unprivileged writer may use)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _DISK_FULL:
+            raise
+        name = errno.errorcode.get(error.errno or 0, str(error.errno))
+        try:
+            stats = os.statvfs(path.parent)
+            free = f"{stats.f_bavail * stats.f_frsize} bytes free of {stats.f_blocks * stats.f_frsize}"
+        except OSError as statvfs_error:
+            free = f"free space unknown ({statvfs_error})"
+        raise CheckpointError(
+            f"{path}: the disk is full ({name}: {error.strerror}); {free} on its file system"
+        ) from error
 
 
 def _file_checksum(path: Path) -> int:
@@ -201,7 +241,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     rename is atomic, so `directory/manifest.json` is at every instant the old or the new one."""
     body = _body(manifest)
     temporary = directory / (MANIFEST + ".tmp")
-    with open(temporary, "w") as file:
+    with _full_disk_reported(temporary), open(temporary, "w") as file:
         json.dump({**body, "manifest_xxh3_64": _checksum_of(body)}, file, indent=1, sort_keys=True)
         file.flush()
         os.fsync(file.fileno())
