@@ -27,13 +27,13 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_sdp4bit.strategies import common, peers
+from lightning_sdp4bit.strategies import common, launchers, peers
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
 from lightning_sdp4bit.strategies.common import SUPPORTED_PRECISIONS
 from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
@@ -128,10 +128,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
+        # Lightning's launchers, finishing interrupted first saves before "last" is looked for.
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = launchers.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = launchers.MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
