@@ -49,6 +49,7 @@ __all__ = [
     "sibling",
     "sync_directory",
     "checksummed_save",
+    "file_checksum",
     "read_manifest",
     "shard_file",
     "tensor_records",
@@ -57,6 +58,12 @@ __all__ = [
 ]
 
 FORMAT = "lightning-sdp4bit/sharded-v2"
+# The formats a directory may hold, as errors name them. The manifest's "format" and its checksum
+# key tell them apart (both sharded-v2 layouts say FORMAT); only the last one loads.
+SHARDED_V1 = "sharded-v1 (meta.pt and shards at the top, no manifest: lightning-sdp4bit before 2026-12-01)"
+SHARDED_V2_CRC32 = "sharded-v2 with a CRC-32 manifest (lightning-sdp4bit of 2026-12-01, before XXH3-64)"
+SHARDED_V2_XXH3 = "sharded-v2 with an XXH3-64 manifest"
+UPGRADE_COMMAND = "python -m lightning_sdp4bit.checkpoint.upgrade"
 MANIFEST = "manifest.json"
 META = "meta.pt"
 # Files are hashed in pieces of this many bytes, each in a worker thread while the next one is
@@ -176,7 +183,7 @@ def _full_disk_reported(path: Path) -> Iterator[None]:
         ) from error
 
 
-def _file_checksum(path: Path) -> int:
+def file_checksum(path: Path) -> int:
     with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "rb") as file:
         running = _RunningHash(pool)
         while piece := file.read(_PIECE):
@@ -267,14 +274,21 @@ def read_manifest(path: Path) -> Manifest:
         what = "does not exist" if not path.exists() else "is a file, not a sharded checkpoint directory"
         raise CheckpointError(f"{path} {what}")
     if not file.is_file():
+        if (path / META).is_file():
+            raise CheckpointError(_older_format(path, SHARDED_V1))
         raise CheckpointError(
             f"{path}: {MANIFEST} missing: not a complete sdp4bit checkpoint (a save that did not finish, "
             "or a folder of something else)"
         )
     try:
         body = json.loads(file.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{file}: unreadable ({error})") from None
+    if isinstance(body, dict) and "manifest_crc32" in body and "manifest_xxh3_64" not in body:
+        raise CheckpointError(_older_format(path, SHARDED_V2_CRC32))
+    try:
         stored = body.pop("manifest_xxh3_64")
-    except (ValueError, KeyError, AttributeError) as error:
+    except (KeyError, AttributeError) as error:
         raise CheckpointError(f"{file}: unreadable ({error})") from None
     if stored != _checksum_of(body):
         raise CheckpointError(f"{file}: checksum mismatch (the manifest is damaged)")
@@ -286,6 +300,14 @@ def read_manifest(path: Path) -> Manifest:
     }
     parameters = {name: (tuple(shape), dtype) for name, (shape, dtype) in body["parameters"].items()}
     return Manifest(body["generation"], body["world_size"], files, parameters)
+
+
+def _older_format(path: Path, found: str) -> str:
+    return (
+        f"{path} holds an older checkpoint format, {found}; this version reads {SHARDED_V2_XXH3}. Convert it "
+        f"in place (every file is verified first; an interrupted conversion leaves it as it was): "
+        f"{UPGRADE_COMMAND} {path}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +334,7 @@ def verify_file(path: Path, manifest: Manifest, name: str) -> Path:
     file, record = path / manifest.generation / name, manifest.files[name]
     if not file.is_file():
         raise CheckpointError(f"{file} missing: not a complete sdp4bit checkpoint")
-    if (file.stat().st_size, _file_checksum(file)) != (record.size, record.checksum):
+    if (file.stat().st_size, file_checksum(file)) != (record.size, record.checksum):
         _raise_mismatch(file, manifest, name)
     return file
 
@@ -320,7 +342,7 @@ def verify_file(path: Path, manifest: Manifest, name: str) -> Path:
 def _raise_mismatch(file: Path, manifest: Manifest, name: str) -> None:
     """The diagnosis of a file whose size or checksum differs from its record. One that matches
     another rank's record was swapped or copied from that rank."""
-    record, size, checksum = manifest.files[name], file.stat().st_size, _file_checksum(file)
+    record, size, checksum = manifest.files[name], file.stat().st_size, file_checksum(file)
     for other, theirs in manifest.files.items():
         if other != name and theirs.rank is not None and (size, checksum) == (theirs.size, theirs.checksum):
             raise CheckpointError(f"{file} holds rank {theirs.rank}'s shard (its bytes are those of {other})")
