@@ -3,9 +3,10 @@ launcher starts the second rank), in which one rank stalls: it sleeps in its thi
 with a hung data loader would. The strategy's `timeout=` must end the job.
 
     python tests/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
+    torchrun --nproc-per-node 2 tests/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
 
-Each process writes its PID to $STALL_PIDS/rank<N> first, so that the test can see which ones
-outlive the job.
+Each process writes its PID to $STALL_PIDS/rank<N>, so that the test can see which ones outlive
+the job, and the stalled rank touches $STALL_PIDS/stalled before it sleeps.
 """
 
 import datetime
@@ -59,6 +60,7 @@ def main(kind: str, stalled_rank: int, timeout_s: float) -> None:
 def _record_and_maybe_stall(rank: int, stalled_rank: int, step: int) -> None:
     (Path(os.environ["STALL_PIDS"]) / f"rank{rank}").write_text(str(os.getpid()))
     if rank == stalled_rank and step == 2:
+        (Path(os.environ["STALL_PIDS"]) / "stalled").touch()  # the peers' timeout starts now
         time.sleep(STALL_S)
 
 

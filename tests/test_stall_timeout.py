@@ -1,10 +1,12 @@
-"""The strategy's `timeout=` bounds a stalled rank (issue 26, item 1): a 2-rank job started with
-Lightning's popen launcher, one rank asleep in its third step, ends within the timeout plus a few
-seconds, with every process gone and an error that says the collective timed out:
-- under the Trainer, rank 1 stalls: rank 0 times out in the engine's exchange, and its failure
-  also stops the stalled rank (Lightning's launcher would leave it running, orphaned);
-- under Fabric, rank 0 (the launcher's own process) stalls: rank 1 times out, and Lightning's
-  child-process observer stops rank 0.
+"""The strategy's `timeout=` bounds a stalled rank (issue 26, item 1): a 2-rank job, one rank
+asleep in its third step, ends within the timeout plus a few seconds, with every process gone and
+an error that says the collective timed out (after the stall began):
+- Lightning's popen launcher, Trainer, rank 1 stalls: rank 0 times out in the engine's exchange,
+  and its failure also stops the stalled rank (Lightning's launcher would leave it running,
+  orphaned);
+- popen, Fabric, rank 0 (the launcher's own process) stalls: rank 1 times out, and Lightning's
+  child-process observer stops rank 0;
+- torchrun, Trainer, rank 1 stalls: rank 0 times out and torchrun's agent stops rank 1.
 Before the fix the engine's process groups kept torch's 30-minute default: nothing failed.
 """
 
@@ -16,10 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from distributed import _free_port
 
 JOB = Path(__file__).parent / "stall_job.py"
-TIMEOUT_S = 5
-"""The strategy's collective timeout in these jobs."""
+TIMEOUT_S = 10
+"""The strategy's collective timeout in these jobs (also the rendezvous's: room for a rank that
+starts late on 2 busy cores)."""
 JOB_BOUND_S = 120
 """How long the test waits for the job to end: start-up (~15 s on 2 busy cores), two steps, the
 timeout and the launcher's 5 s poll, with room to spare; far below torch's 30-minute default."""
@@ -33,12 +37,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize(("kind", "stalled_rank"), [("trainer", 1), ("fabric", 0)])
-def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path, kind, stalled_rank):
+@pytest.mark.parametrize(
+    ("launcher", "kind", "stalled_rank"), [("popen", "trainer", 1), ("popen", "fabric", 0), ("torchrun", "trainer", 1)]
+)
+def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path, launcher, kind, stalled_rank):
     env = {**os.environ, "STALL_PIDS": str(tmp_path)}
     env.pop("MASTER_PORT", None)
+    start = [sys.executable]
+    if launcher == "torchrun":
+        start += ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
     job = subprocess.Popen(
-        [sys.executable, str(JOB), kind, str(stalled_rank), str(TIMEOUT_S)],
+        [*start, str(JOB), kind, str(stalled_rank), str(TIMEOUT_S)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )  # fmt: skip
     try:
@@ -57,4 +66,5 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path, kind, stalled_
     assert job.returncode != 0, output[-3000:]
     assert "the job finished although a rank stalled" not in output
     assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in output, output[-3000:]
+    assert (tmp_path / "stalled").exists(), output[-3000:]  # it timed out on the stall, not before
     assert sorted(pids) == ["rank0", "rank1"] and not survivors, (survivors, output[-3000:])
