@@ -20,6 +20,8 @@ decide alike is in `common`. Per optimizer step the engine is driven as follows:
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -111,6 +113,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            _stop_started_ranks_on_uncaught_exception(self._launcher)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -350,3 +353,18 @@ def _sync_disabled(engine: ShardedEngine) -> Generator[None, None, None]:
         yield
     finally:
         engine.grad_sync_enabled = True
+
+
+def _stop_started_ranks_on_uncaught_exception(launcher: _SubprocessScriptLauncher) -> None:
+    """When the launcher's own process dies of an exception (a peer stalled past the timeout),
+    SIGKILL the ranks it started, as the Trainer adapter's on_exception does: Lightning stops
+    them only when one of them fails, and a stalled one would outlive the job. Fabric has no
+    exception hook of its own, so this one is the interpreter's."""
+    previous = sys.excepthook
+
+    def stop_then_report(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        for process in launcher.procs:  # empty in the started ranks themselves
+            process.send_signal(signal.SIGKILL)
+        previous(kind, value, traceback)
+
+    sys.excepthook = stop_then_report
