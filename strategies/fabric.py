@@ -321,11 +321,13 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
 
     def _load_sharded(self, path: Any, module_keys: list[str], optimizers: list[Optimizer] | None) -> dict[str, Any]:
         assert self.engine is not None
-        meta = sharded_checkpoint.read_meta(path, collective=True)
         if module_keys:
             self.engine.wait_weights()
-            sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+            # meta.pt of the generation whose shards were loaded.
+            meta = sharded_checkpoint.load_sharded(self.engine, optimizers, path)
             self.engine.module.load_state_dict(meta["untrained_state"], strict=False)
+        else:
+            meta = sharded_checkpoint.read_meta(path, collective=True)
         remainder = dict(meta["lightning"])
         remainder.pop(common.SAVED_BY_FABRIC, None)
         return remainder

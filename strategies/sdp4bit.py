@@ -51,6 +51,7 @@ __all__ = ["SUPPORTED_PRECISIONS", "SDP4BitStrategy"]
 log = logging.getLogger(__name__)
 
 _SHARDED_KEY = "sdp4bit_checkpoint_dir"  # marks a checkpoint dict loaded from a sharded directory
+_GENERATION_KEY = "sdp4bit_checkpoint_generation"  # the generation its meta.pt was read from
 
 
 class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
@@ -386,6 +387,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
                 "optimizer_states": [],
                 "lr_schedulers": [],
                 _SHARDED_KEY: str(path),
+                _GENERATION_KEY: meta["generation"],
             }
         # The heavy tensors stay on disk until load_model_state_dict / load_optimizer_state_dict.
         return {
@@ -393,6 +395,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
             "state_dict": meta["untrained_state"],
             "optimizer_states": [],
             _SHARDED_KEY: str(path),
+            _GENERATION_KEY: meta["generation"],
         }
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -405,7 +408,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         if _SHARDED_KEY in checkpoint:
             path = checkpoint[_SHARDED_KEY]
             if self.engine is not None:
-                sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+                # The shards of the generation load_checkpoint read the loop state from.
+                sharded_checkpoint.load_sharded(self.engine, optimizers, path, checkpoint.get(_GENERATION_KEY))
                 module.load_state_dict(checkpoint["state_dict"], strict=False)
             else:
                 full = sharded_checkpoint.read_full_state(path)

@@ -5,6 +5,8 @@
   (host, pid); nothing is written;
 - a lock left by a process that died on this host is taken over with a warning, and the save
   releases it;
+- shards loaded for a meta.pt read before another save committed are refused (the Trainer reads
+  the loop state first, the shards later);
 - two jobs of 2 ranks save to one path at the same time while a third process reads it in a loop:
   every save either commits or is refused naming the other writer, no read of the committed
   checkpoint fails, and the checkpoint left is one of the two jobs' states.
@@ -32,7 +34,13 @@ def _lock(path: Path, **holder) -> None:
 
 
 def _save_against_locks(rank, world, directory, live_pid, dead_pid):
-    from lightning_sdp4bit.checkpoint import CheckpointError, is_sharded_checkpoint, save_sharded
+    from lightning_sdp4bit.checkpoint import (
+        CheckpointError,
+        is_sharded_checkpoint,
+        load_sharded,
+        read_meta,
+        save_sharded,
+    )
 
     path = Path(directory) / "x.ckpt"
     engine, optimizer = make_engine(rank, world)
@@ -55,7 +63,15 @@ def _save_against_locks(rank, world, directory, live_pid, dead_pid):
         warnings.simplefilter("always")
         save_sharded(engine, [optimizer], {}, path, torch.distributed.barrier)
     took_over = [str(w.message) for w in caught if "stale lock" in str(w.message)]
-    return refusals, took_over, is_sharded_checkpoint(path), os.path.exists(f"{path}.lock")
+    # The Trainer reads meta.pt (the loop state) before the shards: a save in between is refused.
+    generation = read_meta(path)["generation"]
+    save_sharded(engine, [optimizer], {}, path, torch.distributed.barrier)
+    try:
+        load_sharded(engine, [optimizer], path, generation)
+        changed = None
+    except CheckpointError as error:
+        changed = str(error)
+    return refusals, took_over, is_sharded_checkpoint(path), os.path.exists(f"{path}.lock"), changed
 
 
 def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_path):
@@ -63,7 +79,8 @@ def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_pa
     dead_pid = int(finished.stdout)
     results = run_workers(_save_against_locks, 2, str(tmp_path), os.getpid(), dead_pid)
     path = tmp_path / "x.ckpt"
-    for rank, (refusals, took_over, committed, locked) in enumerate(results):
+    for rank, (refusals, took_over, committed, locked, changed) in enumerate(results):
+        assert changed and "changed while it was loaded: meta.pt was read from gen_000000" in changed, changed
         live, live_wrote, remote, remote_wrote = refusals
         assert live == results[0][0][0] and remote == results[0][0][2]  # the same error on every rank
         assert f"{path} is being saved by another writer (host {socket.gethostname()}, pid {os.getpid()}" in live

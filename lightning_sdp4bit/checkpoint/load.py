@@ -100,8 +100,9 @@ def _generation(path: Path) -> str | None:
 
 
 def _meta(path: Path, manifest: Manifest) -> dict[str, Any]:
+    """meta.pt, verified, with the generation it was read from under "generation"."""
     check_complete(path, manifest)
-    return _load(verify_file(path, manifest, META))
+    return {**_load(verify_file(path, manifest, META)), "generation": manifest.generation}
 
 
 def _load(file: Path) -> Any:
@@ -112,8 +113,8 @@ def _load(file: Path) -> Any:
 
 
 def read_meta(path: str | os.PathLike, *, collective: bool = False) -> dict[str, Any]:
-    """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size).
-    With `collective=True` every rank of the default process group calls it and all of them
+    """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size),
+    with the generation it was read from under "generation" (for `load_sharded`). With `collective=True` every rank of the default process group calls it and all of them
     raise the same CheckpointError if any rank could not read it."""
     if not collective:
         path = find_checkpoint(path)
@@ -129,18 +130,27 @@ def read_meta(path: str | os.PathLike, *, collective: bool = False) -> dict[str,
 
 
 def load_sharded(
-    engine: ShardedEngine, optimizers: list[torch.optim.Optimizer] | None, path: str | os.PathLike
+    engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer] | None,
+    path: str | os.PathLike,
+    generation: str | None = None,
 ) -> dict[str, Any]:
     """Restore masters, weights, the engine's step and (if `optimizers` is given) optimizer
     state from a sharded checkpoint into a running engine. Returns the meta dict (Lightning's
     part under "lightning"). Collective: every rank calls it. Raises CheckpointError on every
     rank, with nothing modified, if any rank finds the checkpoint incomplete, damaged,
-    misplaced or made for another model."""
+    misplaced or made for another model. `generation`: the one an earlier `read_meta` gave
+    (meta["generation"]), which the shards must come from (another job may have saved since)."""
     path = find_checkpoint(path)
     rank = engine.topology.rank
 
     def read(manifest: Manifest) -> tuple[str, dict[str, Any], Any, Any]:
         """(generation, meta, this rank's shard or None, the full state or None), checked."""
+        if generation is not None and manifest.generation != generation:
+            raise CheckpointError(
+                f"{path} changed while it was loaded: meta.pt was read from {generation}, the shards would come "
+                f"from {manifest.generation} (another job saved to it meanwhile); load it again"
+            )
         meta = _meta(path, manifest)
         check_parameters(engine, {name: shape for name, (shape, _) in manifest.parameters.items()}, exact=True)
         check_state_dict(engine.module, meta["untrained_state"], strict=False)
@@ -156,12 +166,12 @@ def load_sharded(
         _check_full_state(engine, optimizers, full)
         return manifest.generation, meta, None, full
 
-    generation, shard, full, error = None, None, None, None
+    found, shard, full, error = None, None, None, None
     try:
-        generation, meta, shard, full = _consistently(path, read)
+        found, meta, shard, full = _consistently(path, read)
     except Exception as caught:
         error = describe(caught)
-    generations = agree(error, generation, engine.groups.world)
+    generations = agree(error, found, engine.groups.world)
     if len(set(generations)) > 1:
         # A save committed between the ranks' reads: the ranks would resume different states.
         raise CheckpointError(
