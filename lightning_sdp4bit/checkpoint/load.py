@@ -114,8 +114,9 @@ def _load(file: Path) -> Any:
 
 def read_meta(path: str | os.PathLike, *, collective: bool = False) -> dict[str, Any]:
     """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size),
-    with the generation it was read from under "generation" (for `load_sharded`). With `collective=True` every rank of the default process group calls it and all of them
-    raise the same CheckpointError if any rank could not read it."""
+    with the generation it was read from under "generation" (for `load_sharded`). With
+    `collective=True` every rank of the default process group calls it and all of them raise the
+    same CheckpointError if any rank could not read it."""
     if not collective:
         path = find_checkpoint(path)
         return _consistently(path, lambda manifest: _meta(path, manifest))
