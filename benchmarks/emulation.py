@@ -213,11 +213,12 @@ class Network:
     # ----------------------------------------------------------------------------------------
     # Process groups
 
-    def groups(self, topology: Topology | None = None) -> ProcessGroups:
+    def groups(self, topology: Topology | None = None, timeout: Any = None) -> ProcessGroups:
         """A ProcessGroups of FakeGroups shaped as create_process_groups shapes the real ones: a
         stage that spans the world uses the world group, an absent stage is None. Fields other
         than world/intra/inter (groups the engine may gain) get a group of their own, on the
-        intra or inter lane when their name says so, else on the world lane."""
+        intra or inter lane when their name says so, else on the world lane. `timeout` is
+        create_process_groups's: emulated collectives never wait on a peer, so it is unused."""
         topo = topology if topology is not None else self.topology
         if topo != self.topology:
             raise ValueError(f"the network emulates {self.topology}, not {topo}")

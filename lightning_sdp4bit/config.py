@@ -49,7 +49,9 @@ class NonFinite(str, Enum):
 
     SKIP = "skip"  # no optimizer step, no weight exchange; masters and optimizer state kept; counted
     ERROR = "error"  # raise NonFiniteGradientError on every rank, naming the step
-    PROPAGATE = "propagate"  # step anyway, as DDP does: the weights become non-finite
+    # step anyway: uncompressed, the weights DDP would poison become non-finite; compressed, each
+    # poisoned element's whole weight group (with clipping, every weight)
+    PROPAGATE = "propagate"
 
 
 ALLOWED_BITS = (2, 4, 8)
@@ -161,7 +163,8 @@ class SDP4BitConfig:
     nonfinite: NonFinite = NonFinite.SKIP
     """An Inf or NaN gradient on any rank: "skip" the step (default; counted in
     comm/nonfinite_steps and warned about), "error" (raise on every rank) or "propagate" (step
-    anyway, as DDP does). Every rank takes the same decision."""
+    anyway; README "Non-finite gradients" says which weights turn non-finite). Every rank takes
+    the same decision."""
 
     broadcast_buffers: bool = True
     """Before a forward, every rank takes rank 0's module buffers (BatchNorm's running statistics,

@@ -9,6 +9,7 @@ than the real node to emulate several nodes on one host ("virtual nodes").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -69,8 +70,12 @@ class ProcessGroups:
     host: Any = None  # every rank, for CPU tensors (gloo): host-side agreement with no GPU sync
 
 
-def create_process_groups(topology: Topology) -> ProcessGroups:
+def create_process_groups(topology: Topology, timeout: timedelta | None = None) -> ProcessGroups:
     """Create the engine's groups. Collective: every rank must call it, in the same order.
+
+    `timeout` bounds every collective on them (the strategy's `timeout=`): a group made without
+    one keeps torch's default of 30 minutes, whatever the default group was given, so a rank
+    waiting on a stalled peer in the engine's exchanges would wait that long. None: torch's default.
 
     The world group is a new communicator over every rank, not the default group: collectives
     on one communicator run in issue order, so Lightning's own (the per-batch SIGTERM broadcast,
@@ -79,17 +84,17 @@ def create_process_groups(topology: Topology) -> ProcessGroups:
     hold every rank uses that world group; an absent stage gets None. The host group carries
     CPU tensors (the world group itself on gloo, a gloo group of its own beside NCCL).
     """
-    world = dist.new_group(ranks=list(range(topology.world_size)))
+    world = dist.new_group(ranks=list(range(topology.world_size)), timeout=timeout)
 
     def subgroup(present: bool, spans_world: bool, members: list[list[int]]) -> Any:
         if not present:
             return None
-        return world if spans_world else dist.new_subgroups_by_enumeration(members)[0]
+        return world if spans_world else dist.new_subgroups_by_enumeration(members, timeout=timeout)[0]
 
     nodes = [topology.node_ranks(node) for node in range(topology.nodes)]
     local_indices = [topology.local_index_ranks(local) for local in range(topology.ranks_per_node)]
     intra = subgroup(topology.has_intra_stage, not topology.has_inter_stage, nodes)
     inter = subgroup(topology.has_inter_stage, not topology.has_intra_stage, local_indices)
     ranks = list(range(topology.world_size))
-    host = world if dist.get_backend() == "gloo" else dist.new_group(ranks=ranks, backend="gloo")
+    host = world if dist.get_backend() == "gloo" else dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
     return ProcessGroups(world=world, intra=intra, inter=inter, host=host)

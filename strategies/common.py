@@ -169,11 +169,13 @@ def build_engine(
     world_size: int,
     num_processes: int,
     meter: WireMeter,
+    timeout: timedelta | None,
 ) -> ShardedEngine:
-    """The engine over `module` (already on its device, in its training dtype). Collective."""
+    """The engine over `module` (already on its device, in its training dtype), its process
+    groups bounded by the strategy's `timeout`. Collective."""
     ranks_per_node = config.resolve_ranks_per_node(world_size, num_processes)
     topology = Topology(global_rank, world_size, ranks_per_node)
-    return ShardedEngine(module, config, topology, create_process_groups(topology), meter)
+    return ShardedEngine(module, config, topology, create_process_groups(topology, timeout), meter)
 
 
 class CompiledRegionWatch:

@@ -20,6 +20,8 @@ decide alike is in `common`. Per optimizer step the engine is driven as follows:
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -111,6 +113,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            _stop_started_ranks_on_uncaught_exception(self._launcher)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -136,7 +139,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
                 "train together into one nn.Module and call fabric.setup once"
             )
         self.engine = common.build_engine(
-            module, self.config, self.global_rank, self.world_size, self.num_processes, self.meter
+            module, self.config, self.global_rank, self.world_size, self.num_processes, self.meter, self._timeout
         )
         self._compile_watch = common.CompiledRegionWatch(module)
         # Fabric calls the module's own forward (DDP's wrapper would): buffers follow it.
@@ -321,11 +324,13 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
 
     def _load_sharded(self, path: Any, module_keys: list[str], optimizers: list[Optimizer] | None) -> dict[str, Any]:
         assert self.engine is not None
-        meta = sharded_checkpoint.read_meta(path, collective=True)
         if module_keys:
             self.engine.wait_weights()
-            sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+            # meta.pt of the generation whose shards were loaded.
+            meta = sharded_checkpoint.load_sharded(self.engine, optimizers, path)
             self.engine.module.load_state_dict(meta["untrained_state"], strict=False)
+        else:
+            meta = sharded_checkpoint.read_meta(path, collective=True)
         remainder = dict(meta["lightning"])
         remainder.pop(common.SAVED_BY_FABRIC, None)
         return remainder
@@ -353,3 +358,18 @@ def _sync_disabled(engine: ShardedEngine) -> Generator[None, None, None]:
         yield
     finally:
         engine.grad_sync_enabled = True
+
+
+def _stop_started_ranks_on_uncaught_exception(launcher: _SubprocessScriptLauncher) -> None:
+    """When the launcher's own process dies of an exception (a peer stalled past the timeout),
+    SIGKILL the ranks it started, as the Trainer adapter's on_exception does: Lightning stops
+    them only when one of them fails, and a stalled one would outlive the job. Fabric has no
+    exception hook of its own, so this one is the interpreter's."""
+    previous = sys.excepthook
+
+    def stop_then_report(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        for process in launcher.procs:  # empty in the started ranks themselves
+            process.send_signal(signal.SIGKILL)
+        previous(kind, value, traceback)
+
+    sys.excepthook = stop_then_report

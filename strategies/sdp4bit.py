@@ -27,12 +27,13 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_sdp4bit.strategies import common, peers
+from lightning_sdp4bit.strategies import common, launchers, peers
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
 from lightning_sdp4bit.strategies.common import SUPPORTED_PRECISIONS
 from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
@@ -51,6 +52,7 @@ __all__ = ["SUPPORTED_PRECISIONS", "SDP4BitStrategy"]
 log = logging.getLogger(__name__)
 
 _SHARDED_KEY = "sdp4bit_checkpoint_dir"  # marks a checkpoint dict loaded from a sharded directory
+_GENERATION_KEY = "sdp4bit_checkpoint_generation"  # the generation its meta.pt was read from
 
 
 class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
@@ -130,10 +132,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
+        # Lightning's launchers, finishing interrupted first saves before "last" is looked for.
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = launchers.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = launchers.MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -163,7 +168,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _refuse_finetuning_callbacks(trainer)
             self.engine = common.build_engine(
-                self.model, self.config, self.global_rank, self.world_size, self.num_processes, self.meter
+                self.model,
+                self.config,
+                self.global_rank,
+                self.world_size,
+                self.num_processes,
+                self.meter,
+                self._timeout,
             )
             self._compile_watch = common.CompiledRegionWatch(self.model)
             self.setup_optimizers(trainer)
@@ -328,6 +339,11 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         note = peers.lost_peer_note(exception, getattr(self, "_peer_addresses", []), self.global_rank)
         if note and exception.args:
             exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
+        # Lightning's popen launcher stops the ranks it started only on Ctrl-C: when this one
+        # fails (a peer stalled past the timeout), a stalled rank would outlive the job, orphaned.
+        launcher = self._launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+            launcher.kill(_get_sigkill_signal())
 
     def teardown(self) -> None:
         # The engine stays (closed: no hooks, nothing in flight) so that trainer.save_checkpoint
@@ -420,6 +436,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
                 "optimizer_states": [],
                 "lr_schedulers": [],
                 _SHARDED_KEY: str(path),
+                _GENERATION_KEY: meta["generation"],
             }
         # The heavy tensors stay on disk until load_model_state_dict / load_optimizer_state_dict.
         return {
@@ -427,6 +444,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
             "state_dict": meta["untrained_state"],
             "optimizer_states": [],
             _SHARDED_KEY: str(path),
+            _GENERATION_KEY: meta["generation"],
         }
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -439,7 +457,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
         if _SHARDED_KEY in checkpoint:
             path = checkpoint[_SHARDED_KEY]
             if self.engine is not None:
-                sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+                # The shards of the generation load_checkpoint read the loop state from.
+                sharded_checkpoint.load_sharded(self.engine, optimizers, path, checkpoint.get(_GENERATION_KEY))
                 module.load_state_dict(checkpoint["state_dict"], strict=False)
             else:
                 full = sharded_checkpoint.read_full_state(path)

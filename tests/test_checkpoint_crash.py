@@ -6,9 +6,11 @@
   save (top-k) and an overwritten name (save_last);
 - the next successful save removes every leftover (other generations, `.partial`, `.old`), and
   so does the strategy's remove_checkpoint;
-- SIGKILL of the whole job just before a save's commit (and, as an option, just after it), under
-  ModelCheckpoint(save_last=True): `fit(ckpt_path="last")` finds the old or the new checkpoint
-  (never restarts from step 0) and resumes bit for bit like a straight run.
+- SIGKILL of the whole job around a save's commit, under ModelCheckpoint(save_last=True): just
+  before overwriting last.ckpt, just after the first save of last.ckpt committed inside
+  last.ckpt.partial, and just after the first save of a fresh top-k name (issue 26, item 2):
+  `fit(ckpt_path="last")` finds the old or the new checkpoint (never restarts from step 0),
+  resumes bit for bit like a straight run, and leaves no staging directory or lock behind.
 """
 
 import multiprocessing
@@ -163,57 +165,64 @@ def test_remove_checkpoint_removes_the_leftovers_of_interrupted_saves(tmp_path):
 MAX_STEPS = 5
 
 
-def _fit_saving_last(rank, world, directory, kill):
-    """Save last.ckpt after every step; on the 3rd save kill this process just before (or just
-    after) the commit, the last rename of rank 0's recorded operations of the 2nd save."""
+def _checkpoint_callback(directory, name):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    # "top-k": every step also saves a fresh name (step=N.ckpt), before last.ckpt.
+    top_k = -1 if name == "top-k" else 0
+    return ModelCheckpoint(
+        dirpath=directory, filename="{step}", save_last=True, save_top_k=top_k, every_n_train_steps=1
+    )
+
+
+def _fit_saving_last(rank, world, directory, name, at_step, kill):
+    """Save last.ckpt (and with name="top-k" a fresh step=N.ckpt) after every step; at step
+    `at_step` rank 0 dies in the save of that name: "before-commit" just before the manifest's
+    rename, "after-commit" just after it, where a first save still has to rename its staging
+    directory x.ckpt.partial to x.ckpt."""
     from lightning_sdp4bit import SDP4BitStrategy
 
-    recorded: list = []
-    original = SDP4BitStrategy.save_checkpoint
+    original_save, original_replace = SDP4BitStrategy.save_checkpoint, os.replace
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
-        saves = checkpoint["global_step"]
-        if rank != 0 or saves not in (2, 3):
-            return original(self, checkpoint, filepath, storage_options)
-        if saves == 2:
-            with FileOps() as ops:
-                original(self, checkpoint, filepath, storage_options)
-            recorded.extend(ops.ops)
-            return None
-        renames = [i for i, (name, _) in enumerate(recorded) if name in ("replace", "rename")]
-        at = renames[-1] if kill == "before-commit" else renames[-1] + 1
+        is_last = os.path.basename(filepath) == "last.ckpt"
+        if rank != 0 or checkpoint["global_step"] != at_step or is_last != (name == "last"):
+            return original_save(self, checkpoint, filepath, storage_options)
 
-        def die():
-            os.kill(os.getpid(), signal.SIGKILL)
+        def replace(source, target, **kwargs):
+            # The commit is the manifest's rename; a first save commits inside x.ckpt.partial,
+            # so dying right after it leaves the staging directory's own rename undone.
+            commit = os.path.basename(source) == "manifest.json.tmp"
+            if commit and kill == "before-commit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            original_replace(source, target, **kwargs)
+            if commit and kill == "after-commit":
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        with FileOps(fail_at=at, action=die):
-            original(self, checkpoint, filepath, storage_options)
-        if kill == "after-commit" and at >= len(recorded):
-            die()  # the commit was rank 0's last file operation: die right after the save
-        return None
+        os.replace = replace
+        try:
+            return original_save(self, checkpoint, filepath, storage_options)
+        finally:
+            os.replace = original_replace
 
     SDP4BitStrategy.save_checkpoint = save_checkpoint
-    callback = ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0, every_n_train_steps=1)
     module = TinyLMModule(dataset_size=1, repeat=32)
+    callback = _checkpoint_callback(directory, name)
     make_trainer(world, sdp4bit(), max_steps=MAX_STEPS, enable_checkpointing=True, callbacks=[callback]).fit(module)
     raise AssertionError("the fit should have been killed")
 
 
-def _resume_last(rank, world, directory):
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+def _resume_last(rank, world, directory, name):
+    from lightning.pytorch.callbacks import Callback
 
     class StartStep(Callback):
         def on_train_start(self, trainer, module):
             self.step = trainer.global_step
 
     start = StartStep()
-    callback = ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0, every_n_train_steps=1)
     resumed = TinyLMModule(dataset_size=1, repeat=32)
-    trainer = make_trainer(
-        world, sdp4bit(), max_steps=MAX_STEPS, enable_checkpointing=True, callbacks=[callback, start]
-    )
+    callbacks = [_checkpoint_callback(directory, name), start]
+    trainer = make_trainer(world, sdp4bit(), max_steps=MAX_STEPS, enable_checkpointing=True, callbacks=callbacks)
     trainer.fit(resumed, ckpt_path="last")
     straight = TinyLMModule(dataset_size=1, repeat=32)
     make_trainer(world, sdp4bit(), max_steps=MAX_STEPS).fit(straight)
@@ -237,15 +246,29 @@ def _run_until_killed(fn, world, *args, timeout=300):
     return [p.exitcode for p in processes]
 
 
-# Just before the commit is the instant that lost the checkpoint before (between two renames);
-# "after-commit" also passes, and the fault test above covers every other instant.
-@pytest.mark.parametrize("kill", ["before-commit"])
-def test_sigkill_around_the_commit_then_fit_last_resumes_exactly(tmp_path, kill):
-    codes = _run_until_killed(_fit_saving_last, 2, str(tmp_path), kill)
+# (name, step of the kill, instant) -> the step fit(ckpt_path="last") resumes from.
+KILLS = {
+    # Overwriting last.ckpt: the old checkpoint until the commit (before, two renames lost it).
+    ("last", 3, "before-commit"): 2,
+    # The first save of last.ckpt, committed inside last.ckpt.partial but not renamed: before,
+    # "last" found nothing and the fit restarted from step 0.
+    ("last", 1, "after-commit"): 1,
+    # The first save of a fresh top-k name (step=3.ckpt) before last.ckpt's save of that step:
+    # "last" is step 2's; the complete step=3.ckpt.partial is moved into place at the restart.
+    ("top-k", 3, "after-commit"): 2,
+}
+
+
+@pytest.mark.parametrize(("name", "at_step", "kill"), list(KILLS), ids=["-".join(map(str, k)) for k in KILLS])
+def test_sigkill_around_the_commit_then_fit_last_resumes_exactly(tmp_path, name, at_step, kill):
+    codes = _run_until_killed(_fit_saving_last, 2, str(tmp_path), name, at_step, kill)
     assert codes[0] == -signal.SIGKILL
-    results = run_workers(_resume_last, 2, str(tmp_path))
+    results = run_workers(_resume_last, 2, str(tmp_path), name)
     for result in results:
-        # The old checkpoint (after step 2) until the commit of the 3rd save, the new one after it.
-        assert result["start"] == (2 if kill == "before-commit" else 3)
-        for name, expected in result["straight"].items():
-            assert torch.equal(result["resumed"][name], expected), name
+        assert result["start"] == KILLS[name, at_step, kill]
+        for parameter, expected in result["straight"].items():
+            assert torch.equal(result["resumed"][parameter], expected), parameter
+    # Every save was completed or redone: no staging directory, lock or old copy is left.
+    assert not [p.name for p in tmp_path.iterdir() if not p.name.endswith(".ckpt")]
+    if name == "top-k":
+        assert (tmp_path / "step=3.ckpt").is_dir()

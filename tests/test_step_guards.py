@@ -3,7 +3,10 @@
   is skipped on every rank: weights and optimizer state unchanged, counted in comm_stats, the
   count kept by a checkpoint, replicas identical, training goes on), "error"
   (NonFiniteGradientError on every rank, naming the step) and "propagate" (the weights become
-  non-finite, as under DDP); baseline and sdp4bit;
+  non-finite); baseline and sdp4bit;
+- "propagate" poisons exactly the weights DDP poisons (one Inf element: the same one weight, with
+  and without clipping) under the uncompressed preset; under sdp4bit the element's qWD weight
+  group (2048 weights), and with clipping every weight (issue 26, item 3);
 - a branch unused on every rank on even steps gets grad None there, so AdamW skips it: the fp32
   baseline equals DDPStrategy(find_unused_parameters=True) bit for bit; so does a model that runs
   one block twice in each forward (its gradients are complete when their hooks fire);
@@ -156,3 +159,46 @@ def test_nonfinite_modes_unused_parameters_and_own_groups(preset, tmp_path):
                 assert torch.equal(result["twice_ours"][name], expected), name
     for name, value in results[0]["skip"][-1][0].items():
         assert torch.equal(results[1]["skip"][-1][0][name], value), name
+
+
+class CountsPoisoned(InjectsNonFinite):
+    """InjectsNonFinite under any strategy: after each step, which weights are non-finite."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        self.snapshots.append({n: ~torch.isfinite(w) for n, w in weights(self).items()})
+
+
+def _poisoned_by_one_inf(rank, world):
+    """After step 1 (one Inf gradient element on rank 1), the mask of non-finite weights under
+    DDP and under nonfinite="propagate" with and without compression, without and with clipping."""
+    out = {}
+    for clip in (None, 1.0):
+        strategies = {"ddp": _ddp_finding_unused()}
+        strategies |= {preset: sdp4bit(preset=preset, nonfinite="propagate") for preset in ("baseline", "sdp4bit")}
+        for name, strategy in strategies.items():
+            module = CountsPoisoned()
+            make_trainer(world, strategy, max_steps=2, gradient_clip_val=clip).fit(module)
+            out[name, clip] = module.snapshots[1]
+    return out
+
+
+def test_propagate_poisons_what_ddp_poisons_without_compression():
+    from lightning_sdp4bit import SDP4BitConfig
+
+    results = run_workers(_poisoned_by_one_inf, 2)
+    total = sum(mask.numel() for mask in results[0]["ddp", None].values())
+    for result in results:
+        count = {key: sum(int(mask.sum()) for mask in masks.values()) for key, masks in result.items()}
+        for clip in (None, 1.0):
+            assert count["ddp", clip] == 1  # the poisoned element itself
+            # Uncompressed: exactly DDP's weights are poisoned, the same elements.
+            for name, mask in result["ddp", clip].items():
+                assert torch.equal(result["baseline", clip][name], mask), (name, clip)
+        # Compressed (README, "Non-finite gradients"): the element's gradient group (128) turns
+        # NaN, so does the qWD weight group (2048) that holds those masters; with clipping the
+        # global norm is NaN, and so is every weight.
+        assert count["sdp4bit", None] == SDP4BitConfig.preset("sdp4bit").weight_group_size
+        assert count["sdp4bit", 1.0] == total

@@ -18,7 +18,10 @@ One concern per module:
 - `files`: names, the manifest, checksums, completeness and verification, the ranks' agreement;
 - `save`: the crash-safe save (a crash at any instant leaves the old or the new checkpoint);
 - `load`: loading into a running engine, same layout or resharded; ordinary checkpoints;
-- `consolidate`: one ordinary Lightning checkpoint from a sharded one.
+- `consolidate`: one ordinary Lightning checkpoint from a sharded one;
+- `lock`: one writer per path (`x.ckpt.lock`, held by rank 0 during a save);
+- `recovery`: finishing a first save interrupted between its commit and its last rename;
+- `upgrade`: converting the older formats in place (`python -m lightning_sdp4bit.checkpoint.upgrade`).
 """
 
 from lightning_sdp4bit.checkpoint.consolidate import consolidate_checkpoint

@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from lightning_sdp4bit.checkpoint.load import find_checkpoint, read_full_state, read_meta
+from lightning_sdp4bit.checkpoint.files import checksummed_save
+from lightning_sdp4bit.checkpoint.load import read_full_state
 
 __all__ = ["consolidate_checkpoint"]
 
@@ -22,9 +22,8 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike | 
     that another strategy can resume from it. Written to `output` when given (under a temporary
     name, then renamed). Raises CheckpointError if a file is missing, damaged or misplaced.
     """
-    path = find_checkpoint(path)
-    meta = read_meta(path)
     full = read_full_state(path)
+    meta = full["meta"]  # of the generation the full state was read from
     state_dict = {**meta["untrained_state"], **full["masters"]}
     optimizer_states = []
     for saved, groups in zip(full["optimizers"], meta["optimizer_param_names"], strict=True):
@@ -47,6 +46,6 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike | 
     if output is not None:
         output = Path(output)
         temporary = output.with_name(output.name + ".tmp")
-        torch.save(checkpoint, temporary)
+        checksummed_save(checkpoint, temporary)  # flushed, and a full disk named as such
         os.replace(temporary, output)
     return checkpoint

@@ -18,9 +18,12 @@ XXH3-64 checksum and compares every tensor with the manifest (`verify_file`, `ch
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -46,6 +49,7 @@ __all__ = [
     "sibling",
     "sync_directory",
     "checksummed_save",
+    "file_checksum",
     "read_manifest",
     "shard_file",
     "tensor_records",
@@ -54,6 +58,12 @@ __all__ = [
 ]
 
 FORMAT = "lightning-sdp4bit/sharded-v2"
+# The formats a directory may hold, as errors name them. The manifest's "format" and its checksum
+# key tell them apart (both sharded-v2 layouts say FORMAT); only the last one loads.
+SHARDED_V1 = "sharded-v1 (meta.pt and shards at the top, no manifest: lightning-sdp4bit before 2026-12-01)"
+SHARDED_V2_CRC32 = "sharded-v2 with a CRC-32 manifest (lightning-sdp4bit of 2026-12-01, before XXH3-64)"
+SHARDED_V2_XXH3 = "sharded-v2 with an XXH3-64 manifest"
+UPGRADE_COMMAND = "python -m lightning_sdp4bit.checkpoint.upgrade"
 MANIFEST = "manifest.json"
 META = "meta.pt"
 # Files are hashed in pieces of this many bytes, each in a worker thread while the next one is
@@ -107,13 +117,18 @@ class _ChecksummedFile:
 
     def __init__(self, file: Any, pool: ThreadPoolExecutor):
         self._file, self._hash, self.size = file, _RunningHash(pool), 0
+        self.write_error: OSError | None = None  # the first failed write (torch.save hides it)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _PIECE):
             piece = view[start : start + _PIECE]
             self._hash.update(piece)
-            self._file.write(piece)
+            try:
+                self._file.write(piece)
+            except OSError as error:
+                self.write_error = self.write_error or error
+                raise
         self._hash.wait()
         self.size += len(view)
         return len(view)
@@ -127,16 +142,48 @@ class _ChecksummedFile:
 
 
 def checksummed_save(obj: Any, path: Path) -> tuple[int, int]:
-    """torch.save `obj` to `path`, flushed to disk (fsync); returns (size in bytes, XXH3-64)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "wb") as file:
-        writer = _ChecksummedFile(file, pool)
-        torch.save(obj, writer)
-        file.flush()
-        os.fsync(file.fileno())
-        return writer.size, writer.checksum
+    """torch.save `obj` to `path`, flushed to disk (fsync); returns (size in bytes, XXH3-64).
+    A full disk raises a CheckpointError that says so, naming the file and the free space."""
+    with _full_disk_reported(path):
+        with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "wb") as file:
+            writer = _ChecksummedFile(file, pool)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError:
+                # torch.save reports a failed write of its file object as "[enforce fail at
+                # inline_container.cc] unexpected pos": the write's own OSError says why.
+                if writer.write_error is None:
+                    raise
+                raise writer.write_error from None
+            file.flush()
+            os.fsync(file.fileno())
+            return writer.size, writer.checksum
 
 
-def _file_checksum(path: Path) -> int:
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left; the user's or group's quota exceeded
+
+
+@contextmanager
+def _full_disk_reported(path: Path) -> Iterator[None]:
+    """An OSError of a full disk (or quota) while writing `path` becomes a CheckpointError that
+    says so and gives the space left on the file system (statvfs: what an unprivileged writer may use)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _DISK_FULL:
+            raise
+        name = errno.errorcode.get(error.errno or 0, str(error.errno))
+        try:
+            stats = os.statvfs(path.parent)
+            free = f"{stats.f_bavail * stats.f_frsize} bytes free of {stats.f_blocks * stats.f_frsize}"
+        except OSError as statvfs_error:
+            free = f"free space unknown ({statvfs_error})"
+        raise CheckpointError(
+            f"{path}: the disk is full ({name}: {error.strerror}); {free} on its file system"
+        ) from error
+
+
+def file_checksum(path: Path) -> int:
     with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "rb") as file:
         running = _RunningHash(pool)
         while piece := file.read(_PIECE):
@@ -201,7 +248,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     rename is atomic, so `directory/manifest.json` is at every instant the old or the new one."""
     body = _body(manifest)
     temporary = directory / (MANIFEST + ".tmp")
-    with open(temporary, "w") as file:
+    with _full_disk_reported(temporary), open(temporary, "w") as file:
         json.dump({**body, "manifest_xxh3_64": _checksum_of(body)}, file, indent=1, sort_keys=True)
         file.flush()
         os.fsync(file.fileno())
@@ -227,14 +274,21 @@ def read_manifest(path: Path) -> Manifest:
         what = "does not exist" if not path.exists() else "is a file, not a sharded checkpoint directory"
         raise CheckpointError(f"{path} {what}")
     if not file.is_file():
+        if (path / META).is_file():
+            raise CheckpointError(_older_format(path, SHARDED_V1))
         raise CheckpointError(
             f"{path}: {MANIFEST} missing: not a complete sdp4bit checkpoint (a save that did not finish, "
             "or a folder of something else)"
         )
     try:
         body = json.loads(file.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{file}: unreadable ({error})") from None
+    if isinstance(body, dict) and "manifest_crc32" in body and "manifest_xxh3_64" not in body:
+        raise CheckpointError(_older_format(path, SHARDED_V2_CRC32))
+    try:
         stored = body.pop("manifest_xxh3_64")
-    except (ValueError, KeyError, AttributeError) as error:
+    except (KeyError, AttributeError) as error:
         raise CheckpointError(f"{file}: unreadable ({error})") from None
     if stored != _checksum_of(body):
         raise CheckpointError(f"{file}: checksum mismatch (the manifest is damaged)")
@@ -246,6 +300,14 @@ def read_manifest(path: Path) -> Manifest:
     }
     parameters = {name: (tuple(shape), dtype) for name, (shape, dtype) in body["parameters"].items()}
     return Manifest(body["generation"], body["world_size"], files, parameters)
+
+
+def _older_format(path: Path, found: str) -> str:
+    return (
+        f"{path} holds an older checkpoint format, {found}; this version reads {SHARDED_V2_XXH3}. Convert it "
+        f"in place (every file is verified first; an interrupted conversion leaves it as it was): "
+        f"{UPGRADE_COMMAND} {path}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +334,7 @@ def verify_file(path: Path, manifest: Manifest, name: str) -> Path:
     file, record = path / manifest.generation / name, manifest.files[name]
     if not file.is_file():
         raise CheckpointError(f"{file} missing: not a complete sdp4bit checkpoint")
-    if (file.stat().st_size, _file_checksum(file)) != (record.size, record.checksum):
+    if (file.stat().st_size, file_checksum(file)) != (record.size, record.checksum):
         _raise_mismatch(file, manifest, name)
     return file
 
@@ -280,7 +342,7 @@ def verify_file(path: Path, manifest: Manifest, name: str) -> Path:
 def _raise_mismatch(file: Path, manifest: Manifest, name: str) -> None:
     """The diagnosis of a file whose size or checksum differs from its record. One that matches
     another rank's record was swapped or copied from that rank."""
-    record, size, checksum = manifest.files[name], file.stat().st_size, _file_checksum(file)
+    record, size, checksum = manifest.files[name], file.stat().st_size, file_checksum(file)
     for other, theirs in manifest.files.items():
         if other != name and theirs.rank is not None and (size, checksum) == (theirs.size, theirs.checksum):
             raise CheckpointError(f"{file} holds rank {theirs.rank}'s shard (its bytes are those of {other})")

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -66,10 +67,42 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     return path
 
 
-def _open(path: Path) -> tuple[Manifest, dict[str, Any]]:
-    manifest = read_manifest(path)
+# How many times a reader starts over on a newer manifest before it gives up (a writer that
+# commits faster than the checkpoint can be read).
+_READ_ATTEMPTS = 5
+T = TypeVar("T")
+
+
+def _consistently(path: Path, read: Callable[[Manifest], T]) -> T:
+    """`read(manifest)`, started over on the newer manifest when a save committed one meanwhile.
+
+    A save removes the generation it replaced right after its commit, so the files an older
+    manifest lists can vanish under a reader (seen as a missing file). Committed files are never
+    changed in place, so a failure with the same manifest still in place is the checkpoint's own.
+    """
+    for _ in range(_READ_ATTEMPTS):
+        manifest = read_manifest(path)
+        try:
+            return read(manifest)
+        except (CheckpointError, OSError):
+            if _generation(path) == manifest.generation:
+                raise
+    raise CheckpointError(
+        f"{path}: a save committed a new generation during each of {_READ_ATTEMPTS} attempts to read it"
+    )
+
+
+def _generation(path: Path) -> str | None:
+    try:
+        return read_manifest(path).generation
+    except CheckpointError:
+        return None
+
+
+def _meta(path: Path, manifest: Manifest) -> dict[str, Any]:
+    """meta.pt, verified, with the generation it was read from under "generation"."""
     check_complete(path, manifest)
-    return manifest, _load(verify_file(path, manifest, META))
+    return {**_load(verify_file(path, manifest, META)), "generation": manifest.generation}
 
 
 def _load(file: Path) -> Any:
@@ -80,14 +113,17 @@ def _load(file: Path) -> Any:
 
 
 def read_meta(path: str | os.PathLike, *, collective: bool = False) -> dict[str, Any]:
-    """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size).
-    With `collective=True` every rank of the default process group calls it and all of them
-    raise the same CheckpointError if any rank could not read it."""
+    """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size),
+    with the generation it was read from under "generation" (for `load_sharded`). With
+    `collective=True` every rank of the default process group calls it and all of them raise the
+    same CheckpointError if any rank could not read it."""
     if not collective:
-        return _open(find_checkpoint(path))[1]
+        path = find_checkpoint(path)
+        return _consistently(path, lambda manifest: _meta(path, manifest))
     meta, error = None, None
     try:
-        meta = _open(find_checkpoint(path))[1]
+        found = find_checkpoint(path)
+        meta = _consistently(found, lambda manifest: _meta(found, manifest))
     except Exception as caught:
         error = describe(caught)
     agree(error)
@@ -95,18 +131,28 @@ def read_meta(path: str | os.PathLike, *, collective: bool = False) -> dict[str,
 
 
 def load_sharded(
-    engine: ShardedEngine, optimizers: list[torch.optim.Optimizer] | None, path: str | os.PathLike
+    engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer] | None,
+    path: str | os.PathLike,
+    generation: str | None = None,
 ) -> dict[str, Any]:
     """Restore masters, weights, the engine's step and (if `optimizers` is given) optimizer
     state from a sharded checkpoint into a running engine. Returns the meta dict (Lightning's
     part under "lightning"). Collective: every rank calls it. Raises CheckpointError on every
     rank, with nothing modified, if any rank finds the checkpoint incomplete, damaged,
-    misplaced or made for another model."""
+    misplaced or made for another model. `generation`: the one an earlier `read_meta` gave
+    (meta["generation"]), which the shards must come from (another job may have saved since)."""
     path = find_checkpoint(path)
     rank = engine.topology.rank
-    shard, full, error = None, None, None
-    try:
-        manifest, meta = _open(path)
+
+    def read(manifest: Manifest) -> tuple[str, dict[str, Any], Any, Any]:
+        """(generation, meta, this rank's shard or None, the full state or None), checked."""
+        if generation is not None and manifest.generation != generation:
+            raise CheckpointError(
+                f"{path} changed while it was loaded: meta.pt was read from {generation}, the shards would come "
+                f"from {manifest.generation} (another job saved to it meanwhile); load it again"
+            )
+        meta = _meta(path, manifest)
         check_parameters(engine, {name: shape for name, (shape, _) in manifest.parameters.items()}, exact=True)
         check_state_dict(engine.module, meta["untrained_state"], strict=False)
         if meta["world_size"] == engine.topology.world_size and meta["layout"] == layout_record(engine):
@@ -116,12 +162,23 @@ def load_sharded(
             check_shard(file, shard, manifest.files[name])
             if optimizers is not None:
                 _check_same_layout_optimizers(engine, optimizers, shard, file)
-        else:
-            full = _read_full_state(path, manifest, meta)
-            _check_full_state(engine, optimizers, full)
+            return manifest.generation, meta, shard, None
+        full = _read_full_state(path, manifest, meta)
+        _check_full_state(engine, optimizers, full)
+        return manifest.generation, meta, None, full
+
+    found, shard, full, error = None, None, None, None
+    try:
+        found, meta, shard, full = _consistently(path, read)
     except Exception as caught:
         error = describe(caught)
-    agree(error, None, engine.groups.world)
+    generations = agree(error, found, engine.groups.world)
+    if len(set(generations)) > 1:
+        # A save committed between the ranks' reads: the ranks would resume different states.
+        raise CheckpointError(
+            f"{path} changed while it was loaded (the ranks read generations {sorted(set(generations))}): "
+            "another job saved to it meanwhile; load it again"
+        )
 
     if shard is not None:
         with torch.no_grad():
@@ -160,8 +217,7 @@ def read_full_state(path: str | os.PathLike) -> dict[str, Any]:
     all shards of a sharded checkpoint (the memory of the whole model's training state), each
     file verified. Not collective."""
     path = find_checkpoint(path)
-    manifest, meta = _open(path)
-    return _read_full_state(path, manifest, meta)
+    return _consistently(path, lambda manifest: _read_full_state(path, manifest, _meta(path, manifest)))
 
 
 def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +244,7 @@ def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> di
                 optimizers.append({"param_groups": state_dict["param_groups"], "state": {}})
             _merge_fragment_states(optimizers[index]["state"], state_dict["state"], fragments, shapes)
     return {
+        "meta": meta,  # of the same generation
         "masters": {name: t.view(shapes[name]) for name, t in masters.items()},
         "weights": {name: t.view(shapes[name]) for name, t in weights.items()},
         "optimizers": optimizers,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sdp4bit.checkpoint import lock
 from lightning_sdp4bit.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -49,6 +50,7 @@ from lightning_sdp4bit.checkpoint.files import (
     tensor_records,
     write_manifest,
 )
+from lightning_sdp4bit.checkpoint.recovery import finish_interrupted_save
 from lightning_sdp4bit.engine import ShardedEngine
 
 __all__ = ["fragment_map", "layout_record", "remove_checkpoint", "save_sharded"]
@@ -90,9 +92,25 @@ def save_sharded(
 
     `checkpoint` is Lightning's checkpoint dict (or any dict of small picklable state); its
     "state_dict" and "optimizer_states" are not stored, the shards hold them. `barrier` holds
-    every rank until rank 0 has removed the leftovers, so that none returns early.
+    every rank until rank 0 has removed the leftovers, so that none returns early. Rank 0 holds
+    `path`'s writer lock (`lock`) from the first phase to the end: another job saving to the same
+    path is refused on every rank with a CheckpointError that names it.
     """
-    path, rank, group = Path(path), engine.topology.rank, engine.groups.world
+    try:
+        _save_locked(engine, optimizers, checkpoint, Path(path), barrier)
+    finally:
+        if engine.topology.rank == 0:
+            lock.release(Path(path))
+
+
+def _save_locked(
+    engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer],
+    checkpoint: dict[str, Any],
+    path: Path,
+    barrier: Callable[[], None],
+) -> None:
+    rank, group = engine.topology.rank, engine.groups.world
     plan, error = None, None
     if rank == 0:
         try:
@@ -129,11 +147,11 @@ def save_sharded(
 
 def _prepare(path: Path) -> tuple[str, str]:
     """Rank 0, phase 1: (directory that gets the manifest, generation folder inside it)."""
+    lock.acquire(path)  # released by save_sharded, whatever happens
     partial = sibling(path, ".partial")
-    if not path.exists() and not path.is_symlink() and is_sharded_checkpoint(partial):
-        # The previous save was interrupted just before its last rename: finish it first, so that
-        # its (complete) checkpoint is not lost to this save's staging directory.
-        os.replace(partial, path)
+    # A previous first save interrupted just before its last rename: finish it, so that its
+    # (complete) checkpoint is not lost to this save's staging directory.
+    finish_interrupted_save(path)
     if is_sharded_checkpoint(path):
         generation = _next_generation(read_manifest(path).generation)
         _remove(path / generation)  # from an earlier attempt that crashed before its commit

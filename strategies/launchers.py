@@ -1,0 +1,60 @@
+"""The Trainer's launchers, finishing interrupted checkpoint saves before Lightning looks for them.
+
+`fit(ckpt_path="last")` lists `last*.ckpt` in each ModelCheckpoint's folder while the launcher
+runs the fit, before any strategy hook. A first save of `last.ckpt` that a crash stopped after
+its commit, before its last rename, is complete at `last.ckpt.partial`, which that listing does
+not see (see `lightning_sdp4bit.checkpoint.recovery`). These launchers rename it into place in
+every process first, so "last" resumes from it. Subclasses, not wrappers: Lightning tells the
+launchers apart by isinstance.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_sdp4bit.checkpoint.recovery import finish_interrupted_save, finish_interrupted_saves
+
+__all__ = ["MultiProcessingLauncher", "SubprocessScriptLauncher", "finish_interrupted_checkpoint_saves"]
+
+
+def finish_interrupted_checkpoint_saves(trainer: pl.Trainer) -> list[Path]:
+    """Complete the interrupted first saves in the trainer's checkpoint folders (ModelCheckpoint
+    folders, OnExceptionCheckpoint paths), warning for each; returns the paths completed."""
+    finished: list[Path] = []
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            # Where ModelCheckpoint itself looks for "last" (its dirpath, or the one it derives
+            # from the logger and default_root_dir before setup).
+            directory = callback.dirpath or callback._ModelCheckpoint__resolve_ckpt_dir(trainer)  # type: ignore[attr-defined]
+            finished += finish_interrupted_saves(os.fspath(directory))
+        elif isinstance(callback, OnExceptionCheckpoint) and finish_interrupted_save(callback.ckpt_path):
+            finished.append(Path(callback.ckpt_path))
+    for path in finished:
+        rank_zero_warn(
+            f"sdp4bit: {path} was complete at {path}.partial (a save interrupted just before its last rename): "
+            "moved it into place"
+        )
+    return finished
+
+
+class _FinishesInterruptedSaves:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            finish_interrupted_checkpoint_saves(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class SubprocessScriptLauncher(_FinishesInterruptedSaves, _SubprocessScriptLauncher):
+    """Lightning's popen launcher (the default)."""
+
+
+class MultiProcessingLauncher(_FinishesInterruptedSaves, _MultiProcessingLauncher):
+    """Lightning's spawn / fork / forkserver launcher."""
