@@ -133,6 +133,7 @@ class ShardedEngine:
         self._ready: list[set[int]] = [set() for _ in self.buckets]  # ... in the synced (last) backward
         self._norm_versions: tuple[int, ...] | None = None  # grad shards' versions when verdict.norm was taken
         self._stale_window_warned = False
+        self._window_stepped = False  # an optimizer stepped on this window's gradients
         self._decided = False  # prepare_step applied the current verdict
         self._skip_on_host = False
         self.optimizers: list[torch.optim.Optimizer] = []  # re-pointed by shard_optimizer
@@ -220,7 +221,7 @@ class ShardedEngine:
             self.schedule.launch_ready(lambda i: len(self._ready[i]) == len(self.buckets[i].params))
 
     def _open_window(self) -> None:
-        """The first gradient after a reduced window without `discard_grads` (no zero_grad)."""
+        """The first gradient after an optimizer step without `discard_grads` (no zero_grad)."""
         if not self._stale_window_warned:
             warnings.warn(
                 "a backward ran after an optimizer step's gradients were reduced, with no zero_grad() in "
@@ -230,6 +231,34 @@ class ShardedEngine:
             )
             self._stale_window_warned = True
         self._reset_window()
+
+    def before_backward(self) -> None:
+        """Called by the adapters before every backward: the weights it differentiates must be
+        current, and a window reduced but not stepped goes on accumulating."""
+        self.check_weights_were_waited()
+        if self.schedule.grads_reduced and not self._window_stepped:
+            self._carry_reduced_grads()
+
+    def _carry_reduced_grads(self) -> None:
+        """A backward after a reduction with no optimizer step since (accumulation without
+        `no_backward_sync` under Fabric, a manual backward after a clip): as under DDP, where
+        each synced backward adds its gradient to the reduced one already on `p.grad` and
+        reduces the sum, the new window starts from the full reduced gradient. One fp32
+        all-gather of the gradient shards per bucket ([S] -> [N]), paid only on this path.
+        Collective: every rank runs the same backward calls."""
+        assert self.verdict is not None
+        used, offset = self.verdict.used, 0
+        self._reset_window()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                full = torch.empty(bucket.layout.numel, dtype=torch.float32, device=bucket.grad_shard.device)
+                comm.all_gather(full, bucket.grad_shard, group=self.groups.world)
+                positions = [i for i in range(len(bucket.params)) if used[offset + i]]
+                bucket.carry_grads(full, positions)
+                offset += len(bucket.params)
+        for records in self.fragments_by_name.values():
+            for record in records:
+                record.master.grad = None
 
     def _start_grad_exchange(self, index: int) -> Pending:
         bucket = self.buckets[index]
@@ -315,6 +344,7 @@ class ShardedEngine:
                 record.master.grad = None
 
     def _reset_window(self) -> None:
+        self._window_stepped = False
         self.schedule.restart_grads()
         for bucket in self.buckets:
             bucket.start_window()
@@ -377,6 +407,7 @@ class ShardedEngine:
         step: no master changed). Returns the step's communication figures."""
         if not self.skips_step:
             self.schedule.start_weights()
+        self._window_stepped = True
         self.step += 1
         stats = self.meter.end_step()
         stats["nonfinite_steps"] = self.skipped.lagging()

@@ -8,7 +8,7 @@ The same engine, config and checkpoint directory as the Trainer's `SDP4BitStrate
 decide alike is in `common`. Per optimizer step the engine is driven as follows:
 - `setup_module`: builds the engine over the module (collective: rank 0's weights are broadcast);
 - `setup_optimizer`: `engine.shard_optimizer` re-points the optimizer at the fp32 master fragments;
-- `backward`: `check_weights_were_waited`, backward (the gradient hooks reduce-scatter bucket by
+- `backward`: `before_backward`, backward (the gradient hooks reduce-scatter bucket by
   bucket), then `finish_grad_sync` unless inside `fabric.no_backward_sync(model)`, which sets
   `engine.grad_sync_enabled = False` so that the micro-batch only accumulates;
 - `clip_gradients(max_norm=...)`: `engine.clip_grad_norm`, the global norm over all shards;
@@ -167,7 +167,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         if self.engine is None:
             super().backward(tensor, module, *args, **kwargs)
             return
-        self.engine.check_weights_were_waited()
+        self.engine.before_backward()
         super().backward(tensor, module, *args, **kwargs)
         if self.engine.grad_sync_enabled:
             self.engine.finish_grad_sync()

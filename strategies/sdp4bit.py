@@ -241,7 +241,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
             self.engine.check_trained_set()
-            self.engine.check_weights_were_waited()
+            self.engine.before_backward()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         # Automatic optimization, last micro-batch: the reduce-scatters started during backward.
