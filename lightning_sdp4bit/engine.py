@@ -285,6 +285,16 @@ class ShardedEngine:
             for record in records:
                 record.master.grad = record.grad
 
+    def drop_grads(self, param_indices: list[int]) -> None:
+        """Hooks set these trained parameters' `.grad` to None (indices in bucket order): the
+        optimizer skips them this step, as under DDP."""
+        if param_indices:
+            assert self.verdict is not None
+            used = list(self.verdict.used)
+            for index in param_indices:
+                used[index] = False
+            self.verdict.used = tuple(used)
+
     def prepare_step(self) -> None:
         """Right before the optimizer steps: take in weight edits, then apply the verdict. A
         parameter that got no gradient on any rank (and every one, on a skipped step) has its
