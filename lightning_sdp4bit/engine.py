@@ -12,12 +12,14 @@ One optimizer step (N = bucket elements, S = N / world, per bucket; the phases a
    step on every rank alike (`lightning_sdp4bit.guards`): global norm, non-finite gradients,
    parameters that got no gradient. Master fragments' .grad point at the gradient shard [S], or
    are None for parameters that got no gradient (and for every one on a skipped step).
-3. `absorb_weight_edits`: in-place edits of the model weights since the last exchange (a clamp
-   in a hook, say) are copied into the fp32 masters, element by element.
+3. `absorb_weight_edits`: writes to the model weights since the last exchange (a clamp in a
+   hook, an average copied in) are copied into the fp32 masters (`weight_access.WeightAccess`).
 4. the user's optimizer, re-pointed by `lightning_sdp4bit.optim.shard_optimizer`, steps the
    fp32 master fragments.
 5. `start_weight_sync`: every bucket's all-gather starts (the first layers' buckets first);
-   forward pre-hooks wait for a module's buckets just before it runs, overlapping the rest.
+   forward pre-hooks wait for a module's buckets just before it runs, overlapping the rest, and
+   until the next backward the read guard (`open_read_guard`) waits for a bucket at the first
+   torch operation that reads one of its parameters elsewhere (an L2 penalty, a functional model).
 
 No Lightning here: a test can drive it with a plain module and optimizer.
 """
@@ -42,6 +44,7 @@ from lightning_sdp4bit.optim import shard_optimizer
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, exchange_stream
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
+from lightning_sdp4bit.weight_access import WeightAccess
 from lightning_sdp4bit.weight_collectives import weight_collective_for
 
 __all__ = ["MasterFragment", "ShardedEngine", "shard_alignment"]
@@ -137,7 +140,8 @@ class ShardedEngine:
         self._decided = False  # prepare_step applied the current verdict
         self._skip_on_host = False
         self.optimizers: list[torch.optim.Optimizer] = []  # re-pointed by shard_optimizer
-        self._wait_all_before_forward = False
+        # Reads and writes of the weights outside the engine's hooks (`lightning_sdp4bit.weight_access`).
+        self.access = WeightAccess(self.buckets, topology.rank, self.wait_weights)
         self._hooks = register_hooks(self)
 
     # ----------------------------------------------------------------------------------------
@@ -206,6 +210,7 @@ class ShardedEngine:
             self._open_window()
         bucket = self.buckets[index]
         param, slot = bucket.params[position], bucket.layout.slots[position]
+        self.access.grad_arrived(index)
         if self.schedule.grad_phase[index] is not GradPhase.ACCUMULATING:
             raise RuntimeError(
                 f"parameter {slot.name!r} received a gradient after its bucket's reduce-scatter started "
@@ -234,8 +239,13 @@ class ShardedEngine:
 
     def before_backward(self) -> None:
         """Called by the adapters before every backward: the weights it differentiates must be
-        current, and a window reduced but not stepped goes on accumulating."""
-        self.check_weights_were_waited()
+        current, and a window reduced but not stepped goes on accumulating.
+
+        Every read the read guard saw has waited already, so a bucket still exchanging now was
+        not read, unless through a path the guard cannot see: its parameters then receive a
+        gradient (`WeightAccess.grad_arrived`). Unused modules get none and cost nothing."""
+        self.access.before_backward(self.schedule.exchanging_weights())
+        self.wait_weights()
         if self.schedule.grads_reduced and not self._window_stepped:
             self._carry_reduced_grads()
 
@@ -387,36 +397,26 @@ class ShardedEngine:
     # Weights
 
     def absorb_weight_edits(self) -> None:
-        """Copy in-place edits of the model weights (made since the last exchange) into the fp32
-        masters, element by element, so that the next step starts from them. Local: each rank
-        takes in its own shard; unedited elements keep their fp32 masters.
-
-        Two kernels per bucket over this rank's shards ([S]: compare the weight and applied
-        shards, select into the master, the weights widened as they are read), with no host
-        synchronisation: cheaper on a GPU than asking whether anything changed. The applied
-        shard is left as it is: the next exchange's landing renews it, and until then taking
-        the same edits in again changes nothing.
-        """
+        """Copy writes to the model weights made since the last exchange (a clamp in a hook, an
+        average copied in) into the fp32 masters, so that the next step and a checkpoint start
+        from them (`WeightAccess.absorb`: writes are tracked, not inferred from values)."""
         self.wait_weights()
-        with torch.no_grad():
-            for bucket in self.buckets:
-                edited = bucket.weight_shard != bucket.applied_shard
-                torch.where(edited, bucket.weight_shard, bucket.master, out=bucket.master)
+        self.access.absorb()
 
     def _start_weight_exchange(self, index: int) -> Pending:
         with torch.no_grad():
             return self.weight_collectives[index].start(self.buckets[index], self.step)
 
     def _weights_landed(self, index: int) -> None:
-        bucket = self.buckets[index]
-        with torch.no_grad():
-            bucket.applied_shard.copy_(bucket.weight_shard)
+        self.access.landed(index)
 
     def start_weight_sync(self) -> dict[str, float]:
         """After the optimizer step: start every bucket's weight all-gather (none on a skipped
         step: no master changed). Returns the step's communication figures."""
         if not self.skips_step:
             self.schedule.start_weights()
+            if self.access.wait_all_after_step:
+                self.wait_weights()
         self._window_stepped = True
         self.step += 1
         stats = self.meter.end_step()
@@ -441,28 +441,14 @@ class ShardedEngine:
         with torch.no_grad():
             self.schedule.wait_weights(indices)
 
-    def check_weights_were_waited(self) -> None:
-        """Called before backward: every all-gather should have been waited for by a forward
-        pre-hook. If one was not, a parameter was read outside its module's forward; finish the
-        sync, warn once, and from then on wait for all weights before each forward."""
-        pending = self.schedule.exchanging_weights()
-        if pending and not self._wait_all_before_forward:
-            names = sorted({slot.name for i in pending for slot in self.buckets[i].layout.slots})
-            warnings.warn(
-                "these parameters were not reached through their modules' forward, so their updated weights "
-                f"may have arrived late for this step: {names[:8]}{'...' if len(names) > 8 else ''}. "
-                "The strategy now waits for all weights before each forward (less overlap).",
-                stacklevel=2,
-            )
-            self._wait_all_before_forward = True
-        self.wait_weights()
-
-    @property
-    def waits_for_all_weights_before_forward(self) -> bool:
-        return self._wait_all_before_forward
+    def open_read_guard(self) -> None:
+        """After the optimizer step: until the next backward, a torch operation that reads a
+        parameter whose bucket is still exchanging waits for it first (`weight_access.ReadGuard`)."""
+        self.access.open_guard(self.schedule.exchanging_weights())
 
     def close(self) -> None:
         """Finish pending communication and remove the hooks; the module keeps its weights."""
+        self.access.close()
         self.wait_weights()
         for handle in self._hooks:
             handle.remove()

@@ -323,6 +323,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
             self.engine.wait_weights()
             sharded_checkpoint.load_sharded(self.engine, optimizers, path)
             self.engine.module.load_state_dict(meta["untrained_state"], strict=False)
+            self.engine.weights_loaded()  # a tied weight's second name wrote the loaded value again
         remainder = dict(meta["lightning"])
         remainder.pop(common.SAVED_BY_FABRIC, None)
         return remainder
