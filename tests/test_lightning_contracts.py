@@ -12,7 +12,9 @@ set of processes for every case):
   EMAWeightAveraging (`.data.copy_`) and a no_grad in-place write, each of a value that may
   equal the weights the exchange left, the consolidated masters equal the module's weights,
   while unwritten parameters keep masters apart from the weights (qWD); `weights="module"`
-  gives the module's weights.
+  gives the module's weights;
+- `LightningModule.load_from_checkpoint` reads a sharded directory (the consolidated masters),
+  and a damaged one raises the CheckpointError that names the file.
 """
 
 import os
@@ -202,3 +204,15 @@ def test_a_checkpoint_holds_what_was_written(results, name):
         if name == "written":  # the others keep their fp32 masters, apart from the weights after qWD
             assert any(not torch.equal(saved["masters"][k], v) for k, v in saved["module"].items() if k not in written)
 
+
+def test_load_from_checkpoint_reads_a_sharded_directory(results, directory):
+    import lightning_sdp4bit  # noqa: F401  (hooks Lightning's checkpoint loader)
+    from lightning_sdp4bit.checkpoint import CheckpointError
+
+    loaded = WritesEqualValues.load_from_checkpoint(directory / "written.ckpt")
+    for name, expected in results[0]["written"]["masters"].items():
+        assert torch.equal(dict(loaded.named_parameters())[name], expected), name
+    shard = next((directory / "written.ckpt").glob("gen_*/shard_00001.pt"))
+    shard.write_bytes(shard.read_bytes()[:-8])  # damaged: the error names the file
+    with pytest.raises(CheckpointError, match="shard_00001.pt"):
+        WritesEqualValues.load_from_checkpoint(directory / "written.ckpt")
