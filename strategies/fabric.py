@@ -206,9 +206,9 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
     def wait_weights(self) -> None:
         """Complete the weight all-gathers that the last optimizer step started.
 
-        Each module's forward waits for its own weights, so a training loop needs nothing; call
-        this before reading the parameters outside a forward (at the end of training, for an EMA
-        copy, for logging). `fabric.save` and the module's state_dict through Fabric wait already.
+        A training loop needs nothing: each module's forward waits for its own weights, and any
+        other torch operation on a parameter waits for that parameter's bucket (the engine's read
+        guard, until the next backward). This completes them all at once.
         """
         if self.engine is not None:
             self.engine.wait_weights()
