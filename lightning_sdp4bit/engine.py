@@ -238,24 +238,20 @@ class ShardedEngine:
         self._reset_window()
 
     def before_backward(self) -> None:
-        """Called by the adapters before every backward: the weights it differentiates must be
-        current, and a window reduced but not stepped goes on accumulating.
-
-        Every read the read guard saw has waited already, so a bucket still exchanging now was
-        not read, unless through a path the guard cannot see: its parameters then receive a
-        gradient (`WeightAccess.grad_arrived`). Unused modules get none and cost nothing."""
+        """Called by the adapters before every backward: the weights must be current, and a
+        window reduced but not stepped goes on accumulating. A bucket still exchanging now was
+        read by nothing the read guard saw: a gradient for it means an unseen read
+        (`WeightAccess.grad_arrived`); unused modules get none."""
         self.access.before_backward(self.schedule.exchanging_weights())
         self.wait_weights()
         if self.schedule.grads_reduced and not self._window_stepped:
             self._carry_reduced_grads()
 
     def _carry_reduced_grads(self) -> None:
-        """A backward after a reduction with no optimizer step since (accumulation without
-        `no_backward_sync` under Fabric, a manual backward after a clip): as under DDP, where
-        each synced backward adds its gradient to the reduced one already on `p.grad` and
-        reduces the sum, the new window starts from the full reduced gradient. One fp32
-        all-gather of the gradient shards per bucket ([S] -> [N]), paid only on this path.
-        Collective: every rank runs the same backward calls."""
+        """A backward after a reduction with no step since (Fabric accumulation without
+        `no_backward_sync`): as DDP adds each synced backward's gradient to the reduced `p.grad`
+        and reduces the sum, the new window starts from the full reduced gradient (one fp32
+        all-gather per bucket, [S] -> [N], on this path only). Collective."""
         assert self.verdict is not None
         used, offset = self.verdict.used, 0
         self._reset_window()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,6 +43,10 @@ _READS_NO_WEIGHTS: tuple[type, ...] = (
     callbacks.ThroughputMonitor,
     callbacks.Timer,
 )
+
+# Hooks that run while the loss's autograd graph is alive: there a `.data` write handed out as
+# `p.detach()` would fail backward's check of saved tensors, where DDP lets it pass.
+_GRAPH_ALIVE = frozenset({"on_before_backward"})
 
 # Every hook that can run between an optimizer step and the next forward, or after fit.
 # (setup runs before the engine exists; on_before_optimizer_step runs after forward waited.)
@@ -81,14 +85,14 @@ class WeightReadingHooks:
                 continue
             for name in _HOOKS:
                 if overrides_hook(obj, name) and name not in vars(obj):
-                    setattr(obj, name, self._waiting(getattr(obj, name)))
+                    setattr(obj, name, self._waiting(getattr(obj, name), track=name not in _GRAPH_ALIVE))
                     self._wrapped.append((obj, name))
 
-    def _waiting(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+    def _waiting(self, hook: Callable[..., Any], track: bool) -> Callable[..., Any]:
         @functools.wraps(hook)
         def wait_then_call(*args: Any, **kwargs: Any) -> Any:
             self._wait()
-            with self._tracking_writes():
+            with self._tracking_writes() if track else nullcontext():
                 return hook(*args, **kwargs)
 
         return wait_then_call
