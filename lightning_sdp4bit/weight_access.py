@@ -18,13 +18,13 @@ read passes through their `__torch_function__`) see both:
 - `DataWriteTracker`, around the hooks of user callbacks and of the LightningModule
   (`strategies.hooks`): `p.data` of a trained parameter gives `p.detach()`, the same storage
   sharing `p`'s version counter, so that a write through it (EMAWeightAveraging's
-  `p.data.copy_(average)`) counts as a write (`ShardedEngine.absorb_weight_edits`). Only in hooks:
-  between a forward and its backward, a write to a tensor sharing the version counter of one that
-  autograd saved would raise, where through `.data` DDP lets it pass.
+  `p.data.copy_(average)`) counts as a write (`WeightAccess.absorb`). Only in hooks, and not in
+  `on_before_backward`: between a forward and its backward, a write to a tensor sharing the
+  version counter of one that autograd saved would raise, where through `.data` DDP lets it pass.
 
 Code that turns torch function modes off (`torch._C.DisableTorchFunction`) is invisible to both;
 the engine notices a read it could not see when a parameter whose bucket was still exchanging at
-backward receives a gradient (`ShardedEngine.before_backward`).
+backward receives a gradient (`WeightAccess.grad_arrived`).
 """
 
 from __future__ import annotations
