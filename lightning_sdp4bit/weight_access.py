@@ -13,8 +13,9 @@ read passes through their `__torch_function__`) see both:
   flight: the first torch operation that touches a parameter whose bucket is still exchanging
   waits for that bucket (and those launched before it) first. Only the buckets that are read
   early lose overlap; a module read only through its forward waits there, as before. Its cost is
-  one Python call per torch operation while it is pushed (a dict lookup per tensor argument);
-  it pops itself once every bucket has landed (unless a mode pushed later sits above it).
+  one Python call per torch operation while it is pushed (a dict lookup per tensor argument).
+  Once every bucket has landed it pops itself, or, where it cannot (the last one landed inside
+  its own handler, or a mode pushed later sits above it), turns inert until the backward.
 - `DataWriteTracker`, around the hooks of user callbacks and of the LightningModule
   (`strategies.hooks`): `p.data` of a trained parameter gives `p.detach()`, the same storage
   sharing `p`'s version counter, so that a write through it (EMAWeightAveraging's
