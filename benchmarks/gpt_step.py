@@ -49,7 +49,7 @@ def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def engine_step(model, engine, optimizer, tokens: torch.Tensor) -> None:
     """One optimizer step through the sharded engine, in the order the Lightning adapter drives it."""
     loss = lm_loss(model, tokens)
-    engine.check_weights_were_waited()
+    engine.before_backward()
     loss.backward()
     engine.finish_grad_sync()
     engine.clip_grad_norm(MAX_NORM)

@@ -57,7 +57,7 @@ def _engine_calls(model, engine, optimizer, tokens):
 
     def forward():
         state["loss"] = lm_loss(model, tokens)
-        engine.check_weights_were_waited()
+        engine.before_backward()
 
     def step():
         optimizer.step()

@@ -6,10 +6,14 @@ Lightning just to register would make `import lightning_sdp4bit` take seconds, s
 registered the moment each of those modules finishes loading: at once if it is already loaded,
 otherwise by a small import hook that waits for it. Lightning offers no entry point for this
 (its only entry-point group is for callbacks, and it loads too late).
+
+The same hook makes `LightningModule.load_from_checkpoint` read sharded directories: it wraps
+the loader that `lightning.pytorch.core.saving` calls (`checkpoint.lightning_load`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -34,20 +38,37 @@ def _create_fabric_strategy(start_method: str) -> Any:
     return SDP4BitFabricStrategy(start_method=start_method)
 
 
-# module that holds the registry -> (the registry's attribute name, factory of the strategy)
-_TARGETS = {
-    "lightning.pytorch.strategies": ("StrategyRegistry", _create_strategy),
-    "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _create_fabric_strategy),
-}
-
-
-def _register(strategies_module: ModuleType) -> None:
-    attribute, factory = _TARGETS[strategies_module.__name__]
+def _register_names(attribute: str, factory: Any, strategies_module: ModuleType) -> None:
     registry = getattr(strategies_module, attribute)
     for name, start_method in STRATEGY_NAMES.items():
         if name not in registry:
             description = f"SDP4Bit sharded data parallelism, start_method={start_method!r}"
             registry.register(name, factory, description=description, start_method=start_method)
+
+
+def _load_sharded_too(saving_module: ModuleType) -> None:
+    from lightning_sdp4bit.checkpoint.lightning_load import sharded_aware
+
+    if not getattr(saving_module.pl_load, "__wrapped__", None):
+        saving_module.pl_load = sharded_aware(saving_module.pl_load)
+
+
+# module -> (the attribute it must have, what to do once it has loaded)
+_TARGETS = {
+    "lightning.pytorch.strategies": (
+        "StrategyRegistry",
+        functools.partial(_register_names, "StrategyRegistry", _create_strategy),
+    ),
+    "lightning.fabric.strategies": (
+        "STRATEGY_REGISTRY",
+        functools.partial(_register_names, "STRATEGY_REGISTRY", _create_fabric_strategy),
+    ),
+    "lightning.pytorch.core.saving": ("pl_load", _load_sharded_too),
+}
+
+
+def _register(module: ModuleType) -> None:
+    _TARGETS[module.__name__][1](module)
 
 
 class _RegisteringLoader(importlib.abc.Loader):

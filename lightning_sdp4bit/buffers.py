@@ -217,6 +217,12 @@ class Bucket:
         self.grads = None
         return grads
 
+    def carry_grads(self, full: Tensor, positions: list[int]) -> None:
+        """Start the window from the reduced gradients `full` [N] fp32 (all ranks' shards) of the
+        parameters at `positions`: later gradients are added to them, in fp32."""
+        self.grads = full
+        self.received = set(positions)
+
     def start_window(self) -> None:
         """A new accumulation window: no gradients yet (any not exchanged are dropped)."""
         self.grads = None

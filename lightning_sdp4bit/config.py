@@ -19,7 +19,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GradQuant", "NonFinite", "Rounding", "SDP4BitConfig", "WeightQuant", "PRESETS", "auto_bucket_numel"]
+__all__ = [
+    "GradQuant",
+    "NonFinite",
+    "Rounding",
+    "SDP4BitConfig",
+    "WeightQuant",
+    "PRESETS",
+    "auto_bucket_numel",
+    "load_yaml",
+]
 
 
 class WeightQuant(str, Enum):
@@ -280,8 +289,7 @@ class SDP4BitConfig:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config path {str(path)!r} is not a file")
-        loaded = OmegaConf.load(path)
-        merged = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(load_yaml(path), OmegaConf.from_dotlist(list(overrides)))
         return cls.from_dict(_to_plain_dict(merged))
 
     def with_overrides(self, overrides: Iterable[str]) -> SDP4BitConfig:
@@ -327,6 +335,29 @@ class SDP4BitConfig:
         if path is not None:
             Path(path).write_text(text)
         return text
+
+
+def load_yaml(path: str | os.PathLike) -> Any:
+    """`OmegaConf.load(path)`, with broken YAML syntax reported as a ValueError that names the
+    file, the line and the column (1-based), e.g. ``cfg.yaml:3:2: invalid YAML: did not find
+    expected ',' or ']' (while parsing a flow sequence that starts at line 2, column 4)``,
+    instead of yaml's ScannerError or ParserError."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = error.problem or error.context or "unreadable"
+        context = ""
+        if error.context and error.problem and error.context_mark is not None:
+            start = error.context_mark
+            context = f" ({error.context} that starts at line {start.line + 1}, column {start.column + 1})"
+        raise ValueError(f"{where}: invalid YAML: {problem}{context}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: invalid YAML: {error}") from None
 
 
 def _to_plain_dict(values: Any) -> dict[str, Any]:

@@ -12,12 +12,14 @@ One optimizer step (N = bucket elements, S = N / world, per bucket; the phases a
    step on every rank alike (`lightning_sdp4bit.guards`): global norm, non-finite gradients,
    parameters that got no gradient. Master fragments' .grad point at the gradient shard [S], or
    are None for parameters that got no gradient (and for every one on a skipped step).
-3. `absorb_weight_edits`: in-place edits of the model weights since the last exchange (a clamp
-   in a hook, say) are copied into the fp32 masters, element by element.
+3. `absorb_weight_edits`: writes to the model weights since the last exchange (a clamp in a
+   hook, an average copied in) are copied into the fp32 masters (`weight_access.WeightAccess`).
 4. the user's optimizer, re-pointed by `lightning_sdp4bit.optim.shard_optimizer`, steps the
    fp32 master fragments.
 5. `start_weight_sync`: every bucket's all-gather starts (the first layers' buckets first);
-   forward pre-hooks wait for a module's buckets just before it runs, overlapping the rest.
+   forward pre-hooks wait for a module's buckets just before it runs, overlapping the rest, and
+   until the next backward the read guard (`open_read_guard`) waits for a bucket at the first
+   torch operation that reads one of its parameters elsewhere (an L2 penalty, a functional model).
 
 No Lightning here: a test can drive it with a plain module and optimizer.
 """
@@ -50,6 +52,7 @@ from lightning_sdp4bit.optim import shard_optimizer
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, exchange_stream
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
+from lightning_sdp4bit.weight_access import WeightAccess
 from lightning_sdp4bit.weight_collectives import weight_collective_for
 
 __all__ = ["MasterFragment", "ShardedEngine", "bucket_layouts", "master_fragments", "shard_alignment"]
@@ -160,10 +163,12 @@ class ShardedEngine:
         self._ready: list[set[int]] = [set() for _ in self.buckets]  # ... in the synced (last) backward
         self._norm_versions: tuple[int, ...] | None = None  # grad shards' versions when verdict.norm was taken
         self._stale_window_warned = False
+        self._window_stepped = False  # an optimizer stepped on this window's gradients
         self._decided = False  # prepare_step applied the current verdict
         self._skip_on_host = False
         self.optimizers: list[torch.optim.Optimizer] = []  # re-pointed by shard_optimizer
-        self._wait_all_before_forward = False
+        # Reads and writes of the weights outside the engine's hooks (`lightning_sdp4bit.weight_access`).
+        self.access = WeightAccess(self.buckets, topology.rank, self.wait_weights)
         self._hooks = register_hooks(self)
         # Module buffers follow DDP's broadcast_buffers: the adapters call before/after_forward.
         self.buffers = BufferBroadcast(module, groups.world, topology.rank, config.broadcast_buffers)
@@ -221,6 +226,7 @@ class ShardedEngine:
             self._open_window()
         bucket = self.buckets[index]
         param, slot = bucket.params[position], bucket.layout.slots[position]
+        self.access.grad_arrived(index)
         if self.schedule.grad_phase[index] is not GradPhase.ACCUMULATING:
             raise RuntimeError(
                 f"parameter {slot.name!r} received a gradient after its bucket's reduce-scatter started "
@@ -236,7 +242,7 @@ class ShardedEngine:
             self.schedule.launch_ready(lambda i: len(self._ready[i]) == len(self.buckets[i].params))
 
     def _open_window(self) -> None:
-        """The first gradient after a reduced window without `discard_grads` (no zero_grad)."""
+        """The first gradient after an optimizer step without `discard_grads` (no zero_grad)."""
         if not self._stale_window_warned:
             warnings.warn(
                 "a backward ran after an optimizer step's gradients were reduced, with no zero_grad() in "
@@ -246,6 +252,35 @@ class ShardedEngine:
             )
             self._stale_window_warned = True
         self._reset_window()
+
+    def before_backward(self) -> None:
+        """Called by the adapters before every backward: the weights must be current, and a
+        window reduced but not stepped goes on accumulating. A bucket still exchanging now was
+        read by nothing the read guard saw: a gradient for it means an unseen read
+        (`WeightAccess.grad_arrived`); unused modules get none."""
+        self.access.before_backward(self.schedule.exchanging_weights())
+        self.wait_weights()
+        if self.schedule.grads_reduced and not self._window_stepped:
+            self._carry_reduced_grads()
+
+    def _carry_reduced_grads(self) -> None:
+        """A backward after a reduction with no step since (Fabric accumulation without
+        `no_backward_sync`): as DDP adds each synced backward's gradient to the reduced `p.grad`
+        and reduces the sum, the new window starts from the full reduced gradient (one fp32
+        all-gather per bucket, [S] -> [N], on this path only). Collective."""
+        assert self.verdict is not None
+        used, offset = self.verdict.used, 0
+        self._reset_window()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                full = torch.empty(bucket.layout.numel, dtype=torch.float32, device=bucket.grad_shard.device)
+                comm.all_gather(full, bucket.grad_shard, group=self.groups.world)
+                positions = [i for i in range(len(bucket.params)) if used[offset + i]]
+                bucket.carry_grads(full, positions)
+                offset += len(bucket.params)
+        for records in self.fragments_by_name.values():
+            for record in records:
+                record.master.grad = None
 
     def _start_grad_exchange(self, index: int) -> Pending:
         bucket = self.buckets[index]
@@ -271,6 +306,16 @@ class ShardedEngine:
         for records in self.fragments_by_name.values():
             for record in records:
                 record.master.grad = record.grad
+
+    def drop_grads(self, param_indices: list[int]) -> None:
+        """Hooks set these trained parameters' `.grad` to None (indices in bucket order): the
+        optimizer skips them this step, as under DDP."""
+        if param_indices:
+            assert self.verdict is not None
+            used = list(self.verdict.used)
+            for index in param_indices:
+                used[index] = False
+            self.verdict.used = tuple(used)
 
     def prepare_step(self) -> None:
         """Right before the optimizer steps: take in weight edits, then apply the verdict. A
@@ -306,6 +351,7 @@ class ShardedEngine:
                 record.master.grad = None
 
     def _reset_window(self) -> None:
+        self._window_stepped = False
         self.schedule.restart_grads()
         for bucket in self.buckets:
             bucket.start_window()
@@ -337,36 +383,27 @@ class ShardedEngine:
     # Weights
 
     def absorb_weight_edits(self) -> None:
-        """Copy in-place edits of the model weights (made since the last exchange) into the fp32
-        masters, element by element, so that the next step starts from them. Local: each rank
-        takes in its own shard; unedited elements keep their fp32 masters.
-
-        Two kernels per bucket over this rank's shards ([S]: compare the weight and applied
-        shards, select into the master, the weights widened as they are read), with no host
-        synchronisation: cheaper on a GPU than asking whether anything changed. The applied
-        shard is left as it is: the next exchange's landing renews it, and until then taking
-        the same edits in again changes nothing.
-        """
+        """Copy writes to the model weights made since the last exchange (a clamp in a hook, an
+        average copied in) into the fp32 masters, so that the next step and a checkpoint start
+        from them (`WeightAccess.absorb`: writes are tracked, not inferred from values)."""
         self.wait_weights()
-        with torch.no_grad():
-            for bucket in self.buckets:
-                edited = bucket.weight_shard != bucket.applied_shard
-                torch.where(edited, bucket.weight_shard, bucket.master, out=bucket.master)
+        self.access.absorb()
 
     def _start_weight_exchange(self, index: int) -> Pending:
         with torch.no_grad():
             return self.weight_collectives[index].start(self.buckets[index], self.step)
 
     def _weights_landed(self, index: int) -> None:
-        bucket = self.buckets[index]
-        with torch.no_grad():
-            bucket.applied_shard.copy_(bucket.weight_shard)
+        self.access.landed(index)
 
     def start_weight_sync(self) -> dict[str, float]:
         """After the optimizer step: start every bucket's weight all-gather (none on a skipped
         step: no master changed). Returns the step's communication figures."""
         if not self.skips_step:
             self.schedule.start_weights()
+            if self.access.wait_all_after_step:
+                self.wait_weights()
+        self._window_stepped = True
         self.step += 1
         stats = self.meter.end_step()
         stats["nonfinite_steps"] = self.skipped.lagging()
@@ -390,28 +427,14 @@ class ShardedEngine:
         with torch.no_grad():
             self.schedule.wait_weights(indices)
 
-    def check_weights_were_waited(self) -> None:
-        """Called before backward: every all-gather should have been waited for by a forward
-        pre-hook. If one was not, a parameter was read outside its module's forward; finish the
-        sync, warn once, and from then on wait for all weights before each forward."""
-        pending = self.schedule.exchanging_weights()
-        if pending and not self._wait_all_before_forward:
-            names = sorted({slot.name for i in pending for slot in self.buckets[i].layout.slots})
-            warnings.warn(
-                "these parameters were not reached through their modules' forward, so their updated weights "
-                f"may have arrived late for this step: {names[:8]}{'...' if len(names) > 8 else ''}. "
-                "The strategy now waits for all weights before each forward (less overlap).",
-                stacklevel=2,
-            )
-            self._wait_all_before_forward = True
-        self.wait_weights()
-
-    @property
-    def waits_for_all_weights_before_forward(self) -> bool:
-        return self._wait_all_before_forward
+    def open_read_guard(self) -> None:
+        """After the optimizer step: until the next backward, a torch operation that reads a
+        parameter whose bucket is still exchanging waits for it first (`weight_access.ReadGuard`)."""
+        self.access.open_guard(self.schedule.exchanging_weights())
 
     def close(self) -> None:
         """Finish pending communication and remove the hooks; the module keeps its weights."""
+        self.access.close()
         self.wait_weights()
         self.buffers.close()
         for handle in self._hooks:

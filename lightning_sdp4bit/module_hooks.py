@@ -53,7 +53,7 @@ class _WeightWaitHook:
         self.engine, self.indices = engine, indices
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.engine.wait_weights(None if self.engine.waits_for_all_weights_before_forward else self.indices)
+        self.engine.wait_weights(self.indices)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:
         return _InertHook()

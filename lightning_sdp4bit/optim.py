@@ -2,7 +2,10 @@
 
 The optimizer keeps its class, its options and its parameter groups; only the tensors in the
 groups change, from the module's parameters to this rank's master fragments (see
-`lightning_sdp4bit.engine.MasterFragment`). Two of its methods are wrapped on the instance:
+`lightning_sdp4bit.engine.MasterFragment`). Two of its methods are overridden, in a subclass of
+its own class that the optimizer is moved to (not on the instance: Fabric's optimizer wrapper
+copies the class, not the instance's attributes, so `optimizer.zero_grad()` in a Fabric loop
+would otherwise resolve to torch's and never reach the engine):
 - `zero_grad` also tells the engine that the gradient window ended: the accumulated and reduced
   gradients are dropped (what zero_grad means for the module's parameters under DDP);
 - `add_param_group` raises: the set of trained parameters is fixed when the engine is built, so
@@ -64,14 +67,16 @@ def shard_optimizer(engine: ShardedEngine, optimizer: torch.optim.Optimizer) -> 
 
 
 def _wrap_methods(engine: ShardedEngine, optimizer: torch.optim.Optimizer) -> None:
-    zero_grad = optimizer.zero_grad
+    base = type(optimizer)
 
-    def zero_grad_and_end_window(*args: Any, **kwargs: Any) -> None:
+    def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         engine.discard_grads()
-        zero_grad(*args, **kwargs)
+        base.zero_grad(self, *args, **kwargs)
 
-    def refuse_new_group(param_group: dict[str, Any]) -> None:
-        raise ValueError(f"{type(optimizer).__name__}.add_param_group was called during fit: {_FIXED_SET}")
+    def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        raise ValueError(f"{base.__name__}.add_param_group was called during fit: {_FIXED_SET}")
 
-    optimizer.zero_grad = zero_grad_and_end_window  # type: ignore[method-assign]
-    optimizer.add_param_group = refuse_new_group  # type: ignore[method-assign]
+    # Same name, module and everything else as the user's class: isinstance checks, schedulers,
+    # fused kernels' class attributes and messages see no difference.
+    namespace = {"zero_grad": zero_grad, "add_param_group": add_param_group, "__module__": base.__module__}
+    optimizer.__class__ = type(base.__name__, (base,), {**namespace, "__qualname__": base.__qualname__})

@@ -6,6 +6,9 @@ histograms, gradient surgery in `on_before_optimizer_step`) reads and edits `p.g
 `gradients_on_parameters` all-gathers the shards into one fp32 buffer [N] per bucket, sets
 every parameter's `.grad` to its slice (None for parameters that got no gradient on any rank,
 as DDP leaves them), and afterwards copies edits back into this rank's shard and frees them.
+A `.grad` a hook set to None means what it means under DDP: the optimizer skips that parameter
+this step (no momentum, no weight decay); its elements of the shard become zero so that a
+clip by norm leaves it out.
 
 It costs one fp32 all-gather of the gradients (4 bytes per element on the wire), so the
 adapter opens it only around hooks a user overrode.
@@ -49,16 +52,24 @@ def gradients_on_parameters(engine: ShardedEngine) -> Generator[None, None, None
     try:
         yield
     finally:
+        dropped = []  # trained-parameter indices whose .grad a hook set to None
+        offset = 0
         with torch.no_grad():
             for bucket, (full, given) in zip(engine.buckets, exposed, strict=True):
                 edited = False
-                for slot, param, (grad, version) in zip(bucket.layout.slots, bucket.params, given, strict=True):
+                for position, (slot, param, (grad, version)) in enumerate(
+                    zip(bucket.layout.slots, bucket.params, given, strict=True)
+                ):
                     now = param.grad
                     if now is not grad or (now is not None and now._version != version):
                         window = full[slot.start : slot.start + slot.numel]
                         window.copy_(now.reshape(-1) if now is not None else torch.zeros_like(window))
                         edited = True
+                    if now is None and grad is not None:
+                        dropped.append(offset + position)
                     param.grad = None
+                offset += len(bucket.params)
                 if edited:
                     lo, hi = bucket.layout.shard_bounds(engine.topology.rank)
                     bucket.grad_shard.copy_(full[lo:hi])
+        engine.drop_grads(dropped)

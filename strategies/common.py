@@ -210,10 +210,12 @@ class CompiledRegionWatch:
 
 def start_weight_sync(engine: ShardedEngine, watch: CompiledRegionWatch | None) -> dict[str, float]:
     """After an optimizer step: start the weight all-gathers. Eager forwards wait for each
-    module's buckets in its pre-hook (overlap); compiled forwards find them complete."""
+    module's buckets in its pre-hook (overlap), and other reads of a parameter wait for its
+    bucket through the read guard; compiled forwards find them complete."""
     stats = engine.start_weight_sync()
     if watch is not None and watch.seen:
         engine.wait_weights()
+    engine.open_read_guard()
     return stats
 
 

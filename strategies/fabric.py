@@ -8,7 +8,7 @@ The same engine, config and checkpoint directory as the Trainer's `SDP4BitStrate
 decide alike is in `common`. Per optimizer step the engine is driven as follows:
 - `setup_module`: builds the engine over the module (collective: rank 0's weights are broadcast);
 - `setup_optimizer`: `engine.shard_optimizer` re-points the optimizer at the fp32 master fragments;
-- `backward`: `check_weights_were_waited`, backward (the gradient hooks reduce-scatter bucket by
+- `backward`: `before_backward`, backward (the gradient hooks reduce-scatter bucket by
   bucket), then `finish_grad_sync` unless inside `fabric.no_backward_sync(model)`, which sets
   `engine.grad_sync_enabled = False` so that the micro-batch only accumulates;
 - `clip_gradients(max_norm=...)`: `engine.clip_grad_norm`, the global norm over all shards;
@@ -173,7 +173,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         if self.engine is None:
             super().backward(tensor, module, *args, **kwargs)
             return
-        self.engine.check_weights_were_waited()
+        self.engine.before_backward()
         super().backward(tensor, module, *args, **kwargs)
         if self.engine.grad_sync_enabled:
             self.engine.finish_grad_sync()
@@ -212,9 +212,9 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
     def wait_weights(self) -> None:
         """Complete the weight all-gathers that the last optimizer step started.
 
-        Each module's forward waits for its own weights, so a training loop needs nothing; call
-        this before reading the parameters outside a forward (at the end of training, for an EMA
-        copy, for logging). `fabric.save` and the module's state_dict through Fabric wait already.
+        A training loop needs nothing: each module's forward waits for its own weights, and any
+        other torch operation on a parameter waits for that parameter's bucket (the engine's read
+        guard, until the next backward). This completes them all at once.
         """
         if self.engine is not None:
             self.engine.wait_weights()
@@ -329,6 +329,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
             # meta.pt of the generation whose shards were loaded.
             meta = sharded_checkpoint.load_sharded(self.engine, optimizers, path)
             self.engine.module.load_state_dict(meta["untrained_state"], strict=False)
+            self.engine.weights_loaded()  # a tied weight's second name wrote the loaded value again
         else:
             meta = sharded_checkpoint.read_meta(path, collective=True)
         remainder = dict(meta["lightning"])

@@ -6,7 +6,9 @@ pre-hook waits for its buckets. A callback or module hook that runs in between (
 EMA, SWA, export, an in-place clamp) would read half-written weights. Waiting for every bucket
 after each step would cost the overlap for everyone, so the wait is lazy:
 - `WeightReadingHooks` wraps, on the instance, every hook that a user's callback or the
-  LightningModule overrides, so that it first completes the weight exchange. Hooks that only
+  LightningModule overrides, so that it first completes the weight exchange, and runs it with
+  writes through `p.data` tracked (`lightning_sdp4bit.weight_access.DataWriteTracker`: an
+  average copied in by EMAWeightAveraging reaches the masters even where it equals the weights). Hooks that only
   Lightning's own callbacks define (progress bars, ModelCheckpoint, which saves through the
   strategy, LearningRateMonitor, ...) read no weights and are left alone: with none overridden,
   nothing waits outside the forward pre-hooks. A callback or module whose hooks read no
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,6 +43,10 @@ _READS_NO_WEIGHTS: tuple[type, ...] = (
     callbacks.ThroughputMonitor,
     callbacks.Timer,
 )
+
+# Hooks that run while the loss's autograd graph is alive: there a `.data` write handed out as
+# `p.detach()` would fail backward's check of saved tensors, where DDP lets it pass.
+_GRAPH_ALIVE = frozenset({"on_before_backward"})
 
 # Every hook that can run between an optimizer step and the next forward, or after fit.
 # (setup runs before the engine exists; on_before_optimizer_step runs after forward waited.)
@@ -67,8 +74,9 @@ class WeightReadingHooks:
     """Installs and removes the waiting wrappers around the overridden hooks of a Trainer's
     callbacks and LightningModule."""
 
-    def __init__(self, wait: Callable[[], None]):
+    def __init__(self, wait: Callable[[], None], tracking_writes: Callable[[], AbstractContextManager]):
         self._wait = wait
+        self._tracking_writes = tracking_writes
         self._wrapped: list[tuple[Any, str]] = []
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -77,14 +85,15 @@ class WeightReadingHooks:
                 continue
             for name in _HOOKS:
                 if overrides_hook(obj, name) and name not in vars(obj):
-                    setattr(obj, name, self._waiting(getattr(obj, name)))
+                    setattr(obj, name, self._waiting(getattr(obj, name), track=name not in _GRAPH_ALIVE))
                     self._wrapped.append((obj, name))
 
-    def _waiting(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+    def _waiting(self, hook: Callable[..., Any], track: bool) -> Callable[..., Any]:
         @functools.wraps(hook)
         def wait_then_call(*args: Any, **kwargs: Any) -> Any:
             self._wait()
-            return hook(*args, **kwargs)
+            with self._tracking_writes() if track else nullcontext():
+                return hook(*args, **kwargs)
 
         return wait_then_call
 

@@ -188,7 +188,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
             # Manual optimization: no backward is known to be the window's last, so nothing is
             # sent during backward; the gradients are reduced when opt.step() (or a clip) needs them.
             self.engine.grad_sync_enabled = self.lightning_module.automatic_optimization
-            self._weight_hooks = WeightReadingHooks(self._wait_weights)
+            self._weight_hooks = WeightReadingHooks(self._wait_weights, self.engine.access.tracking_data_writes)
             self._weight_hooks.install(trainer, self.lightning_module)
         else:
             _sync_module_states(self.model)
@@ -293,8 +293,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
+            self.engine.before_backward()  # first: it closes the read guard, which would see this check
             self.engine.check_trained_set()
-            self.engine.check_weights_were_waited()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         # Automatic optimization, last micro-batch: the reduce-scatters started during backward.
@@ -460,6 +460,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
                 # The shards of the generation load_checkpoint read the loop state from.
                 sharded_checkpoint.load_sharded(self.engine, optimizers, path, checkpoint.get(_GENERATION_KEY))
                 module.load_state_dict(checkpoint["state_dict"], strict=False)
+                # A tied weight's second name writes the loaded value again: no user write.
+                self.engine.weights_loaded()
             else:
                 full = sharded_checkpoint.read_full_state(path)
                 state_dict = {**checkpoint["state_dict"], **full["weights"]}
@@ -476,6 +478,10 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
             # it (a checkpoint without "global_step" holds no training progress: step 0).
             self.engine.step = int(checkpoint.get("global_step", 0))
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if self.engine is not None:
+            # The weights written again with the values the masters got: a load, not a user's write
+            # (which would replace the masters by the module-dtype weights at the next step).
+            self.engine.weights_loaded()
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Nothing to do: load_model_state_dict restored the optimizers' shards with the weights."""

@@ -105,7 +105,8 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         self.engine: SimulatedEngine | None = None
         self.comm_stats: dict[str, float] = {}
         self._loaders: dict[tuple[str, int], _RankLoaders] = {}
-        self._rng: list[Any] = []
+        self._rng: list[Any] = []  # per simulated rank
+        self._buffers: list[list[torch.Tensor]] = []  # per simulated rank: its module buffers
         self._accumulating = False
 
     @property
@@ -154,6 +155,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm(float(clip_val))
         plugin._after_closure = self._after_closure
         self._rng = [_rng_state(self.root_device)] * self.simulated_world_size  # as seed_everything leaves every rank
+        self._buffers = [[b.detach().clone() for b in module.buffers()]] * self.simulated_world_size
 
     def _check_supported(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not module.automatic_optimization:
@@ -172,12 +174,25 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
 
     @contextmanager
     def _as_rank(self, rank: int) -> Generator[None, None, None]:
-        """Run with rank `rank`'s RNG state (its own dropout masks), kept for its next step."""
+        """Run with rank `rank`'s RNG state (its own dropout masks) and module buffers, both kept
+        for its next step. With `broadcast_buffers` (DDP's default) every rank's buffers are rank
+        0's at the start of a step, as DDP broadcasts them before each forward: rank 0 runs last,
+        so the module holds its buffers between steps."""
         _set_rng_state(self._rng[rank], self.root_device)
+        buffers = list(self.lightning_module.buffers())
+        with torch.no_grad():
+            for mine, kept in zip(buffers, self._buffers[rank], strict=True):
+                mine.copy_(kept)
         try:
             yield
         finally:
             self._rng[rank] = _rng_state(self.root_device)
+            self._buffers[rank] = [b.detach().clone() for b in buffers]
+
+    def _start_step(self) -> None:
+        if self.config.broadcast_buffers:
+            rank0 = [b.detach().clone() for b in self.lightning_module.buffers()]
+            self._buffers = [rank0] * self.simulated_world_size
 
     def _others(self, kind: str, index: int, batch_idx: int) -> list[Any]:
         trainer = self.lightning_module.trainer
@@ -199,6 +214,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, batch_idx = args[0], args[1]
         normalize = self.lightning_module.trainer.accumulate_grad_batches  # as Lightning's closure divides
+        self._start_step()
         for rank, other in enumerate(self._others("train", 0, batch_idx), start=1):
             with self._as_rank(rank):
                 output = super().training_step(other, batch_idx, *args[2:], **kwargs)

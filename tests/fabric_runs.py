@@ -44,17 +44,28 @@ def loss_of(model, tokens: torch.Tensor, scale: float) -> torch.Tensor:
     return scale * F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
 
 
-def train(fabric, model, optimizer, schedule, steps: range, accumulate: int = 2, clip: float | None = 1.0):
-    """`accumulate` micro-batches per step (all but the last under no_backward_sync), clip by norm."""
+def train(
+    fabric,
+    model,
+    optimizer,
+    schedule,
+    steps: range,
+    accumulate: int = 2,
+    clip: float | None = 1.0,
+    no_sync: bool = True,
+    set_to_none: bool = True,
+):
+    """`accumulate` micro-batches per step (all but the last under no_backward_sync unless
+    `no_sync` is False: then every backward reduces, as Fabric's DDP allows), clip by norm."""
     # 0.05 keeps the global gradient norm under 1, so clipping runs but scales by exactly 1.
     for step in steps:
         for micro in range(accumulate):
-            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+            with fabric.no_backward_sync(model, enabled=no_sync and micro < accumulate - 1):
                 fabric.backward(loss_of(model, batch(fabric.global_rank, step, micro), 0.05))
         if clip is not None:
             fabric.clip_gradients(model, optimizer, max_norm=clip)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         schedule.step()
 
 

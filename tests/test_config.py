@@ -150,6 +150,17 @@ def test_coerce_accepts_what_users_pass(tmp_path):
         SDP4BitConfig.coerce(str(tmp_path / "missing.yaml"))
 
 
+def test_broken_yaml_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: baseline\nbucket_numel: 4096\n  rounding: nearest\n")  # a ScannerError in yaml
+    with pytest.raises(ValueError, match=r"c\.yaml:3:11: invalid YAML: mapping values are not allowed in this context"):
+        SDP4BitConfig.from_yaml(path)
+    path.write_text('preset: "baseline\n')  # an unclosed quote: the problem and where it started
+    started = r"\(while scanning a quoted scalar that starts at line 1, column 9\)"
+    with pytest.raises(ValueError, match=rf"c\.yaml:2:1: invalid YAML: .* {started}"):
+        SDP4BitConfig.coerce(str(path))
+
+
 def test_ranks_per_node_is_checked_against_the_world_size(monkeypatch):
     assert SDP4BitConfig(ranks_per_node=2).resolve_ranks_per_node(world_size=4) == 2
     with pytest.raises(ValueError, match="ranks_per_node=3 must divide the world size 4"):

@@ -98,8 +98,8 @@ def test_node_size_must_divide_the_processes():
         check_world(load_config(["sdp4bit.ranks_per_node=3"]), world_size=4)
 
 
-def test_invalid_yaml_names_the_file(tmp_path):
+def test_invalid_yaml_names_the_file_and_the_line(tmp_path):
     path = tmp_path / "broken.yaml"
-    path.write_text("model: [1, 2\n")
-    with pytest.raises(ConfigError, match=r"^--config: .*broken\.yaml' is not valid YAML"):
+    path.write_text("model:\n  n_layer: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"^--config: .*broken\.yaml:3:1: invalid YAML: did not find expected"):
         load_config([], path)

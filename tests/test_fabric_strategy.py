@@ -4,7 +4,10 @@ no_backward_sync, clip by norm, AdamW with two groups, a per-step LR schedule); 
 during a no_backward_sync micro-batch (calls counted through a patched lightning_sdp4bit.comm);
 fabric.save then fabric.load equals a straight run; fabric.all_reduce / broadcast / barrier work;
 a Trainer-saved checkpoint resumes under Fabric and trains on like the Trainer, and a Fabric-saved
-one resumes under the Trainer; an ordinary file saved by Fabric's DDPStrategy resumes too."""
+one resumes under the Trainer; an ordinary file saved by Fabric's DDPStrategy resumes too;
+accumulation with every backward reduced (no no_backward_sync) equals Fabric's DDP bit for bit,
+optimizer.zero_grad() (set_to_none True or False) reaches the engine and the missing-zero_grad
+warning fires only without it; a penalty read before the forward reads current weights."""
 
 import os
 import warnings
@@ -213,3 +216,61 @@ def test_an_ordinary_file_saved_by_fabric_ddp_resumes_under_sdp4bit(tmp_path):
         assert result["remainder"] == {"step": 2}
         for name, expected in result["ddp"].items():
             assert torch.equal(result["sdp4bit"][name], expected), name
+
+
+_NO_ZERO_GRAD = "no zero_grad() in between"
+
+
+def _fabric_contracts(rank, world):
+    from lightning.fabric.strategies import DDPStrategy
+
+    out = {}
+    fabric = make_fabric(world, DDPStrategy())
+    model, optimizer, schedule = setup(fabric)
+    train(fabric, model, optimizer, schedule, range(3), no_sync=False)
+    out["ddp"] = weights(fabric, model)
+    for set_to_none in (True, False):
+        fabric = make_fabric(world, sdp4bit(preset="baseline"))
+        model, optimizer, schedule = setup(fabric)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(fabric, model, optimizer, schedule, range(3), no_sync=False, set_to_none=set_to_none)
+        out[f"sdp4bit set_to_none={set_to_none}"] = weights(fabric, model)
+        out[f"warned set_to_none={set_to_none}"] = sum(_NO_ZERO_GRAD in str(w.message) for w in caught)
+    # A loop that really forgets zero_grad warns (once).
+    from fabric_runs import loss_of
+    from models import batch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            fabric.backward(loss_of(model, batch(rank, step), 0.05))
+            optimizer.step()
+    out["warned without zero_grad"] = sum(_NO_ZERO_GRAD in str(w.message) for w in caught)
+
+    # An L2 penalty read before the forward, under the default compression: the current weights.
+    fabric = make_fabric(world, sdp4bit())
+    model, optimizer, _ = setup(fabric)
+    out["penalties"] = []
+    for step in range(3):
+        penalty = sum((p**2).sum() for p in model.parameters())
+        fabric.strategy.wait_weights()  # the oracle: every all-gather complete
+        out["penalties"].append((penalty.item(), sum((p**2).sum() for p in model.parameters()).item()))
+        fabric.backward(loss_of(model, batch(rank, step), 0.05) + 1e-3 * penalty)
+        optimizer.step()
+        optimizer.zero_grad()
+    return out
+
+
+def test_accumulation_without_no_backward_sync_equals_fabric_ddp_and_zero_grad_reaches_the_engine():
+    """Every micro-batch's backward reduces (no no_backward_sync): the sum of all micro-batches
+    trains, as under Fabric's DDP, with zero_grad() and zero_grad(set_to_none=False); the
+    missing-zero_grad warning fires only in a loop that does not call it. A penalty over the
+    parameters read before the forward reads the current weights."""
+    for result in run_workers(_fabric_contracts, 2):
+        assert len(result["penalties"]) == 3 and all(before == now for before, now in result["penalties"])
+        for set_to_none in (True, False):
+            assert result[f"warned set_to_none={set_to_none}"] == 0
+            for name, expected in result["ddp"].items():
+                assert torch.equal(result[f"sdp4bit set_to_none={set_to_none}"][name], expected), name
+        assert result["warned without zero_grad"] == 1

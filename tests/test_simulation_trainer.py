@@ -2,7 +2,8 @@
 - 2 x 2 simulated on one CPU device and 4 gloo processes under `SDP4BitStrategy`, preset
   sdp4bit, bf16-true, accumulation 2, clipping by norm, 4 optimizer steps over 2 epochs (the
   DistributedSampler reshuffles): rank 0's per-step losses, final weights, fp32 master shards and
-  optimizer state are equal bit for bit, and validation covers every rank's share;
+  optimizer state, and a buffer the step updates (DDP's broadcast_buffers: rank 0's), are equal
+  bit for bit, and validation covers every rank's share;
 - what it does not support is refused at setup, naming what to do.
 """
 
@@ -36,9 +37,24 @@ def _state(trainer, module, engine, losses):
     return {
         "losses": losses,
         "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "buffers": {n: b.clone() for n, b in module.named_buffers()},
         "masters": [b.master.clone() for b in engine.buckets],
         "optimizer": optimizer.state_dict(),
     }
+
+
+class _WithBuffer(TinyLMModule):
+    """A buffer updated in every training step from the rank's own batch: DDP's broadcast_buffers
+    makes every rank start each step from rank 0's."""
+
+    def __init__(self):
+        super().__init__(lr=3e-3, dataset_size=64)
+        self.register_buffer("batch_mean", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.batch_mean.mul_(0.5).add_(batch.float().mean())
+        return super().training_step(batch, batch_idx)
 
 
 def _real(rank, world):
@@ -46,7 +62,7 @@ def _real(rank, world):
     from lightning_sdp4bit import SDP4BitStrategy
 
     record = _Record()
-    module = TinyLMModule(lr=3e-3, dataset_size=64)
+    module = _WithBuffer()
     trainer = make_trainer(world, SDP4BitStrategy(config=CONFIG), callbacks=[record.callback], **FIT)
     trainer.fit(module)
     return _state(trainer, module, trainer.strategy.engine, record.callback.losses)
@@ -58,7 +74,7 @@ def _simulated(**overrides):
     from lightning_sdp4bit import SDP4BitSimulationStrategy
 
     record = _Record()
-    module = TinyLMModule(lr=3e-3, dataset_size=64)
+    module = _WithBuffer()
     settings = {**TRAINER_DEFAULTS, **FIT, "callbacks": [record.callback], **overrides}
     trainer = pl.Trainer(devices=1, strategy=SDP4BitSimulationStrategy("2x2", config=CONFIG), **settings)
     trainer.fit(module)
@@ -77,6 +93,7 @@ def test_trainer_simulation_matches_a_real_trainer_job():
     for name, weight in real["weights"].items():
         assert torch.equal(simulated["weights"][name], weight), name
     assert all(torch.equal(a, b) for a, b in zip(simulated["masters"], real["masters"], strict=True))
+    assert torch.equal(simulated["buffers"]["batch_mean"], real["buffers"]["batch_mean"])
     for key, fields in real["optimizer"]["state"].items():
         for field, value in fields.items():
             assert torch.equal(simulated["optimizer"]["state"][key][field], value), (key, field)

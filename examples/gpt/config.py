@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from lightning_sdp4bit import SDP4BitConfig
+from lightning_sdp4bit.config import load_yaml
 from lightning_sdp4bit.simulation import parse_world
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt.yaml"
@@ -103,9 +103,9 @@ def load_config(overrides: list[str] = (), path: str | Path = DEFAULT_CONFIG) ->
         if "=" not in item or item.startswith("="):
             raise ConfigError(item, "expected key=value, e.g. trainer.max_steps=200")
     try:
-        loaded = OmegaConf.load(path)
-    except yaml.YAMLError as err:
-        raise ConfigError("--config", f"{str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        loaded = load_yaml(path)
+    except ValueError as err:  # names the file, the line and the column
+        raise ConfigError("--config", str(err)) from None
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Settings), loaded, OmegaConf.from_dotlist(overrides))
         settings: Settings = OmegaConf.to_object(merged)

@@ -14,17 +14,34 @@ from lightning_sdp4bit.checkpoint.load import read_full_state
 __all__ = ["consolidate_checkpoint"]
 
 
-def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike | None = None) -> dict[str, Any]:
+WEIGHT_SOURCES = ("masters", "module")
+
+
+def consolidate_checkpoint(
+    path: str | os.PathLike, output: str | os.PathLike | None = None, weights: str = "masters"
+) -> dict[str, Any]:
     """Turn a sharded checkpoint directory into one ordinary Lightning checkpoint dict.
 
-    Its "state_dict" (fp32 master weights plus buffers) loads into the plain LightningModule,
-    and its "optimizer_states" are per-parameter, in the optimizers' own parameter order, so
-    that another strategy can resume from it. Written to `output` when given (under a temporary
-    name, then renamed). Raises CheckpointError if a file is missing, damaged or misplaced.
+    Its "state_dict" (the trained parameters plus buffers and frozen parameters) loads into the
+    plain LightningModule, and its "optimizer_states" are per-parameter, in the optimizers' own
+    parameter order, so that another strategy can resume from it. Written to `output` when given
+    (under a temporary name, then renamed). Raises CheckpointError if a file is missing, damaged
+    or misplaced.
+
+    `weights` picks the trained parameters' values:
+    - "masters" (default): the fp32 master weights, what the optimizer steps and training resumes
+      from (writes to the weights by hooks and callbacks are in them);
+    - "module": the module's weights every replica held, in the module's dtype: what the model
+      computed with (after qWD, the masters' 4-bit-exchanged copy; under bf16-true, rounded).
     """
+    if weights not in WEIGHT_SOURCES:
+        raise ValueError(f"consolidate_checkpoint: weights must be one of {WEIGHT_SOURCES}, got {weights!r}")
     full = read_full_state(path)
     meta = full["meta"]  # of the generation the full state was read from
-    state_dict = {**meta["untrained_state"], **full["masters"]}
+    trained = dict(full["masters"]) if weights == "masters" else {**full["masters"], **full["weights"]}
+    # A tied parameter's second name holds the same values (saved among the untrained entries).
+    trained.update({alias: trained[name] for alias, name in meta.get("aliases", {}).items()})
+    state_dict = {**meta["untrained_state"], **trained}
     optimizer_states = []
     for saved, groups in zip(full["optimizers"], meta["optimizer_param_names"], strict=True):
         names = [name for group in groups for name in group]

@@ -71,6 +71,19 @@ def layout_record(engine: ShardedEngine) -> list[dict[str, Any]]:
     ]
 
 
+def parameter_aliases(module: torch.nn.Module, trained: set[str]) -> dict[str, str]:
+    """Second names of trained parameters (a head tied to the embedding: "head.weight" ->
+    "embed.weight"), so that a consolidated state_dict gives both names the same values."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) not in first:
+            first[id(param)] = name
+        elif first[id(param)] in trained:
+            aliases[name] = first[id(param)]
+    return aliases
+
+
 def fragment_map(engine: ShardedEngine, optimizer_index: int) -> list[tuple[str, int, int]]:
     """(name, first element, count) of each parameter index of one re-pointed optimizer."""
     out = []
@@ -189,6 +202,7 @@ def _commit(
             k: v.cpu() for k, v in engine.module.state_dict().items() if k not in trained and isinstance(v, Tensor)
         },
         "optimizer_param_names": engine.optimizer_param_names,
+        "aliases": parameter_aliases(engine.module, trained),
         "lightning": {k: v for k, v in checkpoint.items() if k not in _LIGHTNING_HEAVY_KEYS},
     }
     size, checksum = checksummed_save(meta, directory / generation / META)

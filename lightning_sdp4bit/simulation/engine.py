@@ -22,7 +22,7 @@ What the driver calls, per optimizer step (the engine's own names where they mea
 `receive_grads(rank, accumulating)` after each rank's backward; `finish_grad_sync`;
 `clip_grad_norm`; `prepare_step`; every rank's `optimizers` step (`step_other_ranks` steps all but
 rank 0's, which the caller steps, as Lightning does); `start_weight_sync`. The next gradient after
-an exchange opens a new window (`discard_grads` drops one early).
+an exchange opens a new window.
 """
 
 from __future__ import annotations
@@ -163,13 +163,9 @@ class SimulatedEngine:
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-point `optimizer` at rank 0's master fragments (as `ShardedEngine.shard_optimizer`)
         and give every other rank an optimizer of the same class and options over its own."""
+        cls = type(optimizer)  # the user's class (shard_optimizer gives rank 0's a subclass of it)
         shard_optimizer(self, optimizer)  # type: ignore[arg-type]
-        # Its zero_grad stays torch's: it must not end the simulated window. Lightning calls it
-        # after the first micro-batch's forward, when the other ranks' backward passes have
-        # already run; a window ends when its exchange has run (the next gradient opens another).
-        del optimizer.zero_grad
         names = self.optimizer_param_names[-1]
-        cls = type(optimizer)
         # The constructor's own keywords: `defaults` may hold more (AdamW's decoupled_weight_decay).
         accepted = inspect.signature(cls.__init__).parameters
         options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
@@ -206,7 +202,7 @@ class SimulatedEngine:
         order; None for one that got none) defaults to the parameters' .grad, which are then
         cleared; a CUDA graph passes its static gradient tensors instead (`simulation.graphed`)."""
         if self._reduced:
-            self.discard_grads()
+            self._open_window()
         params = [p for bucket in self.buckets for p in bucket.params]
         taken = grads if grads is not None else [p.grad for p in params]
         if grads is None:
@@ -275,14 +271,22 @@ class SimulatedEngine:
                 self.verdict, self.config.nonfinite, rank.optimizers, rank.fragments, rank.skipped, self.step
             )
 
-    def discard_grads(self) -> None:
-        """zero_grad(): every rank's window ends."""
+    def _open_window(self) -> None:
         for rank in self.ranks:
             for bucket in rank.buckets:
                 bucket.start_window()
+        self.verdict, self._reduced = None, False
+        self.discard_grads()
+
+    def discard_grads(self) -> None:
+        """What the optimizers' zero_grad calls: the fragments let go of the reduced gradients.
+
+        The windows stay: Lightning calls zero_grad after rank 0's first forward of a window,
+        when the other ranks' backward passes have put their gradients in already. A window ends
+        when its exchange has run (`receive_grads` opens the next one)."""
+        for rank in self.ranks:
             for record in rank.fragments:
                 record.master.grad = None
-        self.verdict, self._reduced = None, False
 
     # ----------------------------------------------------------------------------------------
     # Weights
