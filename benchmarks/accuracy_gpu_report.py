@@ -34,53 +34,64 @@ def _timed_steps(step, count: int, device: torch.device) -> float:
     return (time.perf_counter() - started) / count
 
 
-def measure_throughput(study, device: torch.device, results: Path, count: int = 5) -> None:
-    """Print and save (results/throughput.json) tokens/s and peak memory: the simulated job for two
-    presets, and a plain step (no strategy, one fused AdamW) of the same global batch."""
+def _step_of(study, preset: str | None, device: torch.device):
+    """(one training step as a function, the model's parameter count): the simulated job under
+    `preset`, or with None a plain step (the module's own parameters, the whole global batch in
+    one pass, one fused AdamW)."""
     from accuracy_gpu import RankPasses, build, loss_of
 
+    model, engine, optimizer, _ = build(study, preset or "baseline", 0, device)
+    x = torch.randint(0, 256, (study.ranks * study.batch_per_rank, study.block_size + 1), device=device)
+    params = sum(p.numel() for p in model.parameters())
+    if preset is None:
+        plain = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+        def plain_step():
+            loss_of(model, x).backward()
+            plain.step()
+            plain.zero_grad()
+
+        return plain_step, params
+    b = study.batch_per_rank
+    passes = RankPasses(model, engine, x[:b], graphed=device.type == "cuda")
+
+    def simulated_step():
+        for rank in range(study.ranks):
+            passes(rank, x[rank * b : (rank + 1) * b])
+        engine.finish_grad_sync()
+        engine.clip_grad_norm(1.0)
+        engine.prepare_step()
+        optimizer.step()
+        engine.step_other_ranks()
+        engine.start_weight_sync()
+        optimizer.zero_grad()
+
+    return simulated_step, params
+
+
+def measure_throughput(study, device: torch.device, results: Path, count: int = 5) -> None:
+    """Print and save (results/throughput.json) tokens/s and peak memory: the simulated job for two
+    presets, and a plain step of the same global batch."""
     tokens = study.ranks * study.batch_per_rank * study.block_size
     rows = []
     for preset in ["baseline", "sdp4bit", None]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        model, engine, optimizer, _ = build(study, preset or "baseline", 0, device)
-        x = torch.randint(0, 256, (study.ranks * study.batch_per_rank, study.block_size + 1), device=device)
-        if preset is None:  # plain: the module's own parameters, the whole global batch in one pass
-            plain = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-            def step():
-                loss_of(model, x).backward()
-                plain.step()
-                plain.zero_grad()
-
-            engine = None
-        else:
-            b = study.batch_per_rank
-            passes = RankPasses(model, engine, x[:b], graphed=device.type == "cuda")
-
-            def step():
-                for rank in range(study.ranks):
-                    passes(rank, x[rank * b : (rank + 1) * b])
-                engine.finish_grad_sync()
-                engine.clip_grad_norm(1.0)
-                engine.prepare_step()
-                optimizer.step()
-                engine.step_other_ranks()
-                engine.start_weight_sync()
-                optimizer.zero_grad()
-
+        step, params = _step_of(study, preset, device)
         seconds = _timed_steps(step, count, device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        params = sum(p.numel() for p in model.parameters())
-        rows.append({"run": f"simulated {study.world}, {preset}" if preset else "plain, one GPU", "step_s": seconds,
-                     "tokens_per_s": tokens / seconds, "peak_gib": peak, "params": params})  # fmt: skip
-        del model, engine, optimizer
-    print(f"| run | step (ms) | tokens/s | vs plain | peak memory (GiB) |\n|---|---|---|---|---|")
+        name = f"simulated {study.world}, {preset}" if preset else "plain, one GPU"
+        rows.append(
+            {"run": name, "step_s": seconds, "tokens_per_s": tokens / seconds, "peak_gib": peak, "params": params}
+        )
+        del step
+    print("| run | step (ms) | tokens/s | vs plain | peak memory (GiB) |\n|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['run']} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:,.0f} | "
-              f"{row['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f} | {row['peak_gib']:.1f} |")  # fmt: skip
+        print(
+            f"| {row['run']} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:,.0f} | "
+            f"{row['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f} | {row['peak_gib']:.1f} |"
+        )
     results.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     (results / "throughput.json").write_text(json.dumps({"device": device_name, "rows": rows}, indent=1))
@@ -104,7 +115,11 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
 
     base = means.get("baseline", float("nan"))
     return [
-        judge(["baseline", "qw"], lambda: means["qw"] - base > 10 * noise, "qW worse than baseline by more than 10x the noise floor"),
+        judge(
+            ["baseline", "qw"],
+            lambda: means["qw"] - base > 10 * noise,
+            "qW worse than baseline by more than 10x the noise floor",
+        ),
         judge(["baseline", "qwd"], lambda: abs(means["qwd"] / base - 1) <= 0.001, "qWD within 0.1% of baseline"),
         judge(
             ["tlq", "tlq_hs"],
@@ -112,7 +127,9 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
             "TLq worse than TLq-HS by more than their seed spread",
         ),
         judge(["ulq", "tlq"], lambda: means["ulq"] > means["tlq"], "ULq worse than TLq"),
-        judge(["baseline", "sdp4bit"], lambda: means["sdp4bit"] / base - 1 <= 0.0025, "SDP4Bit within 0.25% of baseline"),
+        judge(
+            ["baseline", "sdp4bit"], lambda: means["sdp4bit"] / base - 1 <= 0.0025, "SDP4Bit within 0.25% of baseline"
+        ),
     ]
 
 
@@ -128,7 +145,8 @@ def write_report(results: Path, docs: Path) -> None:
     floor = [r["final_val_loss"] for r in runs.get("baseline", [])]
     noise = max(floor) - min(floor) if len(floor) > 1 else None
     lines = [
-        "| preset | runs | final val loss (mean) | vs baseline (nats) | vs baseline | seed spread (nats) | each run | paper 125M |",
+        "| preset | runs | final val loss (mean) | vs baseline (nats) | vs baseline | seed spread (nats) | each run "
+        "| paper 125M |",
         "|---|---|---|---|---|---|---|---|",
     ]
     means, spreads = {}, {}
@@ -142,10 +160,13 @@ def write_report(results: Path, docs: Path) -> None:
         losses = [r["final_val_loss"] for r in pool]
         means[preset] = statistics.mean(losses)
         spreads[preset] = max(losses) - min(losses)
-        delta = f"{means[preset] - base:+.5f} | {100 * (means[preset] / base - 1):+.3f}%" if base else "pending | pending"
+        delta = (
+            f"{means[preset] - base:+.5f} | {100 * (means[preset] / base - 1):+.3f}%" if base else "pending | pending"
+        )
         each = ", ".join(f"{r['run']} {r['final_val_loss']:.5f}" for r in pool)
         lines.append(
-            f"| {preset} | {len(losses)} | {means[preset]:.5f} | {delta} | {spreads[preset]:.5f} | {each} | {paper_text} |"
+            f"| {preset} | {len(losses)} | {means[preset]:.5f} | {delta} | {spreads[preset]:.5f} | {each} "
+            f"| {paper_text} |"
         )
     first = next(iter(runs.values()))[0]
     names = run_names(PRESETS, 2)
@@ -177,9 +198,16 @@ def write_report(results: Path, docs: Path) -> None:
         + (f"{noise:.5f} nats" if noise is not None else "pending"),
         "",
     ]
-    verdicts = ["", "What the paper leads us to expect, judged on these numbers:", "", *_verdicts(means, spreads, noise)]
-    figure = ["", "![validation curves](accuracy_gpu.png)", ""]
-    (docs / "accuracy_gpu.md").write_text("\n".join(header + lines + verdicts + figure) + "\n")
+    verdicts = [
+        "",
+        "What the paper leads us to expect, judged on these numbers:",
+        "",
+        *_verdicts(means, spreads, noise),
+    ]
+    figure = ["", "![validation curves](accuracy_gpu.png)", "", NOTES_MARKER]
+    report = docs / "accuracy_gpu.md"
+    kept = report.read_text().split(NOTES_MARKER, 1) if report.exists() else []
+    report.write_text("\n".join(header + lines + verdicts + figure) + (kept[1] if len(kept) == 2 else "\n"))
     _plot(runs, docs / "accuracy_gpu.png")
 
 

@@ -64,7 +64,12 @@ class _RankLoaders:
                 loader.dataset,
                 batch_size=loader.batch_size,
                 sampler=DistributedSampler(
-                    sampler.dataset, world, rank, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last
+                    sampler.dataset,
+                    world,
+                    rank,
+                    shuffle=sampler.shuffle,
+                    seed=sampler.seed,
+                    drop_last=sampler.drop_last,
                 ),
                 num_workers=loader.num_workers,
                 collate_fn=loader.collate_fn,
@@ -162,11 +167,16 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
             _refuse("manual optimization is not supported; use automatic optimization")
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
             _refuse("gradient_clip_algorithm='value' is not supported; clip by norm")
-        readers = [type(o).__name__ for o in [*trainer.callbacks, module] if overrides_hook(o, "on_before_optimizer_step")]
+        readers = [
+            type(o).__name__ for o in [*trainer.callbacks, module] if overrides_hook(o, "on_before_optimizer_step")
+        ]
         if readers:
             _refuse(f"{readers} override on_before_optimizer_step; hooks that read gradients are not supported")
         if any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
-            _refuse("writes no checkpoints (every rank's optimizer state lives in this process): pass enable_checkpointing=False")
+            _refuse(
+                "writes no checkpoints (every rank's optimizer state lives in this process): "
+                "pass enable_checkpointing=False"
+            )
         common.check_precision(getattr(self.precision_plugin, "precision", None))
 
     # ----------------------------------------------------------------------------------------
@@ -212,7 +222,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
             self._accumulating = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, batch_idx = args[0], args[1]
+        batch_idx = args[1]
         normalize = self.lightning_module.trainer.accumulate_grad_batches  # as Lightning's closure divides
         self._start_step()
         for rank, other in enumerate(self._others("train", 0, batch_idx), start=1):
@@ -272,5 +282,3 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
-
-

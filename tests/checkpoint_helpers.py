@@ -42,9 +42,7 @@ class FileOps:
     operation k runs after `action` returns (e.g. one that sends SIGTERM, which a handler only
     notes). `ops` lists them."""
 
-    def __init__(
-        self, fail_at: int | None = None, action: Callable[[], None] | None = None, proceed: bool = False
-    ):
+    def __init__(self, fail_at: int | None = None, action: Callable[[], None] | None = None, proceed: bool = False):
         self.fail_at, self.action, self.proceed = fail_at, action, proceed
         self.ops: list[tuple[str, str]] = []
         self.fired = False

@@ -17,7 +17,9 @@ SCRIPT = ROOT / "benchmarks" / "accuracy_gpu.py"
 
 
 def _study(*args: str) -> str:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", *args], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

@@ -34,7 +34,10 @@ def run_script(*overrides: str) -> subprocess.CompletedProcess:
     [
         ("data.path=/no/such/file.txt", "error: data.path: '/no/such/file.txt' does not exist"),
         ("model.dropout=2", "error: model.dropout: must be in [0, 1), got 2.0"),
-        ("sdp4bit.simulate=16by4", "error: sdp4bit.simulate: simulate='16by4': expected 'MxL' (M nodes of L ranks each), e.g. '16x4'"),
+        (
+            "sdp4bit.simulate=16by4",
+            "error: sdp4bit.simulate: simulate='16by4': expected 'MxL' (M nodes of L ranks each), e.g. '16x4'",
+        ),
         (
             "sdp4bit.ranks_per_node=3",
             "error: sdp4bit.ranks_per_node: ranks_per_node=3 must divide the world size 2: "

@@ -88,12 +88,14 @@ def _simulate(preset, nodes, ranks_per_node, seed=0):
     engine = SimulatedEngine(module, _config(preset, seed), nodes, ranks_per_node)
     engine.shard_optimizer(optimizer)
     ranks = range(nodes * ranks_per_node)
-    losses = _train(
-        module, engine, optimizer, ranks, lambda a: None, engine.receive_grads, engine.step_other_ranks
-    )
+    losses = _train(module, engine, optimizer, ranks, lambda a: None, engine.receive_grads, engine.step_other_ranks)
     return engine, [
-        {"losses": losses[r], **_state(module, engine.ranks[r].buckets, ([optimizer] + [
-            rank.optimizers[0] for rank in engine.ranks[1:]])[r])}
+        {
+            "losses": losses[r],
+            **_state(
+                module, engine.ranks[r].buckets, ([optimizer] + [rank.optimizers[0] for rank in engine.ranks[1:]])[r]
+            ),
+        }
         for r in ranks
     ]
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks"), str(Path(__file__).resolve().parents[1] / "examples")]
+sys.path[:0] = [
+    str(Path(__file__).resolve().parents[1] / "benchmarks"),
+    str(Path(__file__).resolve().parents[1] / "examples"),
+]
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +24,9 @@ def _train(graphed: bool):
     study = Study(n_layer=2, n_embd=128, n_head=4, block_size=256, world="2x2")
     device = torch.device("cuda")
     model, engine, optimizer, _ = build(study, "sdp4bit", 0, device)
-    tokens = torch.randint(0, 256, (3, study.ranks, 1, study.block_size + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, 256, (3, study.ranks, 1, study.block_size + 1), generator=torch.Generator().manual_seed(0)
+    )
     tokens = tokens.to(device)
     passes = RankPasses(model, engine, tokens[0, 0], graphed)
     for step in range(3):

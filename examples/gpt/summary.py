@@ -104,7 +104,11 @@ def human_bytes(n: float) -> str:
 def format_summary(s: dict) -> str:
     saved = s["uncompressed_bytes"] - s["wire_bytes"]
     ratio = s["uncompressed_bytes"] / s["wire_bytes"] if s["wire_bytes"] else math.nan
-    ran_on = f"{s['simulated_ranks']} simulated ranks in 1 process" if s["simulated_ranks"] else f"{s['processes']} processes"
+    ran_on = (
+        f"{s['simulated_ranks']} simulated ranks in 1 process"
+        if s["simulated_ranks"]
+        else f"{s['processes']} processes"
+    )
     return "\n".join(
         [
             f"\n=== summary: {s['steps']} steps on {ran_on} ===",

@@ -49,7 +49,7 @@ __all__ = ["SimulatedEngine", "SimulatedRank", "parse_world"]
 
 
 def parse_world(spec: str | tuple[int, int]) -> tuple[int, int]:
-    """"16x4" (M nodes x L ranks per node) or (M, L) -> (M, L), checked."""
+    """ "16x4" (M nodes x L ranks per node) or (M, L) -> (M, L), checked."""
     if isinstance(spec, str):
         parts = spec.lower().replace(" ", "").split("x")
         if len(parts) != 2 or not all(p.isdigit() for p in parts):
@@ -298,7 +298,9 @@ class SimulatedEngine:
         if not skipped:
             with torch.no_grad():
                 for index in range(len(self.buckets)):
-                    pending = [rank.weight_collectives[index].start(rank.buckets[index], self.step) for rank in self.ranks]
+                    pending = [
+                        rank.weight_collectives[index].start(rank.buckets[index], self.step) for rank in self.ranks
+                    ]
                     for exchange in pending:
                         exchange.progress()
                     pending[0].wait()  # rank 0 applies to the one copy; the others' copies would be the same
