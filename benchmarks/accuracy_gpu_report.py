@@ -40,7 +40,7 @@ def _step_of(study, preset: str | None, device: torch.device):
     one pass, one fused AdamW)."""
     from accuracy_gpu import RankPasses, build, loss_of
 
-    model, engine, optimizer, _ = build(study, preset or "baseline", 0, device)
+    model, engine, _, _ = build(study, preset or "baseline", 0, device)
     x = torch.randint(0, 256, (study.ranks * study.batch_per_rank, study.block_size + 1), device=device)
     params = sum(p.numel() for p in model.parameters())
     if preset is None:
@@ -58,13 +58,7 @@ def _step_of(study, preset: str | None, device: torch.device):
     def simulated_step():
         for rank in range(study.ranks):
             passes(rank, x[rank * b : (rank + 1) * b])
-        engine.finish_grad_sync()
-        engine.clip_grad_norm(1.0)
-        engine.prepare_step()
-        optimizer.step()
-        engine.step_other_ranks()
-        engine.start_weight_sync()
-        optimizer.zero_grad()
+        engine.optimizer_step(max_norm=1.0)
 
     return simulated_step, params
 

@@ -19,7 +19,8 @@ the handler only logs, forwards the signal to the launcher's children (as Lightn
 that a SIGTERM to the popen launcher's rank 0 reaches every rank) and notes it. It issues no
 collective, so a save or a step in progress completes on every rank. At the start of each
 training batch the ranks agree (one all-reduce of a flag per batch, on a gloo group of its own:
-host memory, no GPU synchronisation, nothing queued behind the exchanges in flight); if any rank
+host memory, no GPU synchronisation, nothing queued behind the exchanges in flight), in place of
+the loop's own per-batch broadcast of rank 0's flag (`_broadcast_sigterm_tensor`); if any rank
 was signalled, every rank sets `trainer.received_sigterm` and raises Lightning's
 `SIGTERMException` at the same batch, so `on_exception` callbacks (OnExceptionCheckpoint) run
 on every rank together and the processes exit (status 0, as Lightning's own SIGTERM exit).
@@ -30,6 +31,7 @@ directly and Lightning's loops stop at their next batch.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from types import FrameType
 
 import lightning.pytorch as pl
@@ -51,14 +53,18 @@ class PreemptionSignal:
 
     Collective at construction (it creates its gloo group): every rank builds it, in setup."""
 
-    def __init__(self, trainer: pl.Trainer):
+    def __init__(self, trainer: pl.Trainer, timeout: timedelta | None = None):
         self.trainer = trainer
         self.signalled = False
         self._forwarded = False
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         # Lightning registers `_sigterm_notifier_fn` as the SIGTERM handler after the strategy's
         # setup (Trainer._run); an instance attribute takes the place of its method.
         trainer._signal_connector._sigterm_notifier_fn = self._on_sigterm
+        # The training loop's per-batch check: this agreement in place of Lightning's broadcast of
+        # rank 0's flag (a GPU tensor read back on the host every batch), not beside it, so a step
+        # still costs one such collective, now on host memory.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.stop_if_signalled
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: no collective, no I/O but a log line (it may run in the middle of
@@ -88,7 +94,9 @@ class PreemptionSignal:
             raise SIGTERMException()
 
     def close(self) -> None:
-        """After fit: the handler Lightning restores is its own again; drop the group."""
+        """After fit: Lightning's own handler and per-batch check again; drop the group."""
+        self.trainer._signal_connector.__dict__.pop("_sigterm_notifier_fn", None)
+        self.trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None

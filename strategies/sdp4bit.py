@@ -32,6 +32,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_sdp4bit.strategies import common, launchers, peers
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
@@ -156,7 +157,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self._preemption = PreemptionSignal(trainer)
+        self._preemption = PreemptionSignal(trainer, self._timeout)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             # Trainer(sync_batchnorm=True), as DDPStrategy: SyncBatchNorm for the fit, reverted
             # at teardown. The converted modules keep the same Parameter objects.
@@ -260,11 +261,6 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
             self.engine.grad_sync_enabled = enabled
             self._backward_sync_blocked = False
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # A SIGTERM on any rank stops every rank here, at the same batch (strategies/preemption.py).
-        if self._preemption is not None:
-            self._preemption.stop_if_signalled()
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().training_step, *args, **kwargs)
 
@@ -341,8 +337,11 @@ class SDP4BitStrategy(common.DataParallelLayout, ParallelStrategy):
             exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
         # Lightning's popen launcher stops the ranks it started only on Ctrl-C: when this one
         # fails (a peer stalled past the timeout), a stalled rank would outlive the job, orphaned.
+        # Not on a preemption: every rank raises SIGTERMException at the same batch and exits by
+        # itself, after its on_exception callbacks (a checkpoint) have run.
         launcher = self._launcher
-        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+        stopping_together = isinstance(exception, SIGTERMException)
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs and not stopping_together:
             launcher.kill(_get_sigkill_signal())
 
     def teardown(self) -> None:

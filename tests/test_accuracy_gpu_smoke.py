@@ -27,7 +27,7 @@ def _study(*args: str) -> str:
 def test_smoke_study_trains_resumes_exactly_and_reports(tmp_path):
     straight, resumed, docs = tmp_path / "straight", tmp_path / "resumed", tmp_path / "docs"
     _study("--runs", "baseline-d0,sdp4bit-r0", "--results", str(straight), "--state", str(tmp_path / "s1"))
-    out = _study("--runs", "sdp4bit-r0", "--results", str(resumed), "--state", str(tmp_path / "s2"), "--budget", "0.5")
+    out = _study("--runs", "sdp4bit-r0", "--results", str(resumed), "--state", str(tmp_path / "s2"), "--budget", "0")
     assert "out of budget at step" in out and not (resumed / "sdp4bit-r0.json").exists()
     out = _study("--runs", "sdp4bit-r0", "--results", str(resumed), "--state", str(tmp_path / "s2"))
     assert "sdp4bit-r0: resumed at step" in out

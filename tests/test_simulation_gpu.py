@@ -23,7 +23,7 @@ def _train(graphed: bool):
 
     study = Study(n_layer=2, n_embd=128, n_head=4, block_size=256, world="2x2")
     device = torch.device("cuda")
-    model, engine, optimizer, _ = build(study, "sdp4bit", 0, device)
+    model, engine, _, _ = build(study, "sdp4bit", 0, device)
     tokens = torch.randint(
         0, 256, (3, study.ranks, 1, study.block_size + 1), generator=torch.Generator().manual_seed(0)
     )
@@ -32,13 +32,7 @@ def _train(graphed: bool):
     for step in range(3):
         for rank in range(study.ranks):
             passes(rank, tokens[step, rank])
-        engine.finish_grad_sync()
-        engine.clip_grad_norm(1.0)
-        engine.prepare_step()
-        optimizer.step()
-        engine.step_other_ranks()
-        engine.start_weight_sync()
-        optimizer.zero_grad()
+        engine.optimizer_step(max_norm=1.0)
     masters = [b.master.clone() for rank in engine.ranks for b in rank.buckets]
     return masters, [p.detach().clone() for p in model.parameters()], passes
 

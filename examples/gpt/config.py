@@ -131,7 +131,7 @@ def _allowed_keys(full_key: str) -> str:
 def sdp4bit_config(settings: Settings) -> SDP4BitConfig:
     """The SDP4BitConfig of the ``sdp4bit`` block. A null field means "as the preset has it"."""
     values = {key: value for key, value in settings.sdp4bit.items() if value is not None and key != "simulate"}
-    allowed = ["preset", "simulate", *SDP4BitConfig.field_names()]
+    allowed = ["preset", *SDP4BitConfig.field_names(), "simulate"]
     for key in values:
         if key not in allowed:
             raise ConfigError(f"sdp4bit.{key}", f"unknown key; sdp4bit.* takes {', '.join(allowed)}")

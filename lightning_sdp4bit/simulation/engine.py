@@ -311,6 +311,22 @@ class SimulatedEngine:
         stats["nonfinite_steps"] = self.ranks[0].skipped.lagging()
         return stats
 
+    def optimizer_step(self, max_norm: float | None = None) -> dict[str, float]:
+        """One whole optimizer step of every rank, for a loop without Lightning, after every rank's
+        `receive_grads`: exchanges and verdict, clipping by the global norm (`max_norm`), every
+        rank's optimizers, the weight exchange, zero_grad. Returns rank 0's communication figures."""
+        self.finish_grad_sync()
+        if max_norm is not None:
+            self.clip_grad_norm(max_norm)
+        self.prepare_step()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        self.step_other_ranks()
+        stats = self.start_weight_sync()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        return stats
+
     def wait_weights(self, indices=None) -> None:
         """Nothing is ever in flight: `start_weight_sync` completes the exchanges."""
 
