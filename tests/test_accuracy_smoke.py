@@ -1,7 +1,7 @@
 """The accuracy study's fast version (benchmarks/accuracy_study.py --smoke), as CI runs it.
 
-Checks, for every preset (baseline, qw, qwd, ulq, tlq, tlq_hs, sdp4bit) trained on 4 CPU
-processes as 2 virtual nodes x 2:
+Checks, for every preset (baseline, qw, qwd, ulq, tlq, tlq_hs, sdp4bit) trained as a job of
+2 virtual nodes x 2 ranks (simulated in one process: the smoke's only difference from the study):
 - the run finishes and its validation loss falls, from the first evaluation to the last and
   well below a uniform guess over bytes;
 - every run saw the same number of tokens;
