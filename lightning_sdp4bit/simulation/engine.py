@@ -330,10 +330,6 @@ class SimulatedEngine:
     def wait_weights(self, indices=None) -> None:
         """Nothing is ever in flight: `start_weight_sync` completes the exchanges."""
 
-    def window_bytes(self) -> int:
-        """Bytes the ranks' window gradients hold now (all W of them just before the exchanges)."""
-        return sum(b.grads.nbytes for rank in self.ranks for b in rank.buckets if b.grads is not None)
-
 
 def _masters(rank: SimulatedRank, names: list[str]) -> list[Tensor]:
     return [record.master for name in names for record in rank.fragments_by_name.get(name, [])]

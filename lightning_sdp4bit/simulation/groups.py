@@ -69,7 +69,6 @@ class SimulatedGroup:
     size: int
     name: str = "group"
     _queues: list[deque[_Rendezvous]] = field(init=False, repr=False)
-    _launched: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._queues = [deque() for _ in range(self.size)]
@@ -93,10 +92,6 @@ class SimulatedGroup:
                     self._queues[other].append(rendezvous)
         rendezvous.deposit(index, pair)
         return _Work(rendezvous, index)
-
-    def pending(self) -> int:
-        """Collectives launched by some members and not yet by all."""
-        return len({id(r) for queue in self._queues for r in queue})
 
 
 @dataclass(frozen=True)
