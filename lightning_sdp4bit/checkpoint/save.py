@@ -161,7 +161,8 @@ def _save_locked(
 def _prepare(path: Path) -> tuple[str, str]:
     """Rank 0, phase 1: (directory that gets the manifest, generation folder inside it)."""
     # The checkpoint's folder may not exist yet (ModelCheckpoint's first save): its lock lives there.
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True)
     lock.acquire(path)  # released by save_sharded, whatever happens
     partial = sibling(path, ".partial")
     # A previous first save interrupted just before its last rename: finish it, so that its
