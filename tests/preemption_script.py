@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lightning_runs import TRAINER_DEFAULTS  # noqa: E402
 from models import TinyLMModule  # noqa: E402
 from preemption_helpers import sigterm_in_backward, sigterm_in_save  # noqa: E402
 
@@ -51,18 +52,8 @@ def main() -> None:
         injected = nullcontext()
     else:
         injected = sigterm_in_save(type(strategy), options["rank"], options["at"], options["save"])
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=MAX_STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-    )
+    settings = {**TRAINER_DEFAULTS, "enable_checkpointing": True}  # the ModelCheckpoint above
+    trainer = pl.Trainer(devices=2, strategy=strategy, max_steps=MAX_STEPS, callbacks=callbacks, **settings)
     torch.set_num_threads(1)
     outcome = "finished"
     try:
