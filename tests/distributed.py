@@ -2,9 +2,8 @@
 
     results = run_workers(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable
 
-`fn` must be a module-level function (processes are spawned). A worker's exception is re-raised
-in the test with its traceback. Each call pays process start-up (~2 s on 2 cores), so tests put
-several checks into one call.
+`fn` must be a module-level function (workers start from a forkserver, which pickles it by
+name). A worker's exception is re-raised in the test with its traceback.
 """
 
 from __future__ import annotations
@@ -46,8 +45,17 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
+def _context() -> Any:
+    """A forkserver that has imported torch and Lightning once: each worker is forked from it
+    (about 0.1 s for 4 workers) instead of starting a fresh interpreter that imports them again
+    (about 10 s for 4 on 2 cores). The server never touches CUDA, so its children may."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch"])
+    return context
+
+
 def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     queue = context.Queue()
     port = _free_port()
     processes = [
