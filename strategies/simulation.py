@@ -34,7 +34,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_sdp4bit.strategies import common
 from lightning_sdp4bit.strategies.hooks import overrides_hook
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.simulation import SimulatedEngine, parse_world
@@ -51,8 +51,10 @@ class _RankLoaders:
     iterated in step with it (restarted, at the loop's epoch, whenever rank 0's starts over)."""
 
     def __init__(self, loader: DataLoader, world: int, transfer):
+        if not isinstance(loader, DataLoader):
+            _refuse(f"got a {type(loader).__name__} of dataloaders; the simulation supports one DataLoader per stage")
         sampler = loader.sampler
-        if type(sampler) is not DistributedSampler or loader.batch_sampler.__class__.__name__ != "BatchSampler":
+        if type(sampler) is not DistributedSampler or type(loader.batch_sampler) is not BatchSampler:
             _refuse(
                 f"the dataloader's sampler is {type(sampler).__name__} with a {type(loader.batch_sampler).__name__}; "
                 "the simulation supports the samplers Lightning replaces by DistributedSampler (a DataLoader with "
