@@ -14,7 +14,7 @@ a torchmetrics metric or an epoch mean covers the whole validation set, as one s
 job's ranks does.
 
 Not supported (refused at setup, with a message): manual optimization, several optimizers,
-clipping by value, hooks that read gradients (`on_before_optimizer_step` overridden), checkpoints
+clipping by value, sync_batchnorm, hooks that read gradients (`on_before_optimizer_step` overridden), checkpoints
 (the W ranks' optimizer states live in this process only: pass enable_checkpointing=False), more
 than one device, custom samplers or batch samplers, and `trainer.test`/`predict` (validate the
 fitted module with another strategy).
@@ -179,6 +179,8 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
                 "writes no checkpoints (every rank's optimizer state lives in this process): "
                 "pass enable_checkpointing=False"
             )
+        if self._layer_sync is not None:
+            _refuse("sync_batchnorm=True is not supported (every rank's batch statistics would be needed at once)")
         common.check_precision(getattr(self.precision_plugin, "precision", None))
 
     # ----------------------------------------------------------------------------------------

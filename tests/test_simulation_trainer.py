@@ -129,6 +129,7 @@ def test_validation_covers_every_rank_share():
         ({"enable_checkpointing": True}, "pass enable_checkpointing=False"),
         ({"gradient_clip_algorithm": "value"}, "clip by norm"),
         ({"devices": 2}, "set devices=1"),
+        ({"sync_batchnorm": True}, "sync_batchnorm=True is not supported"),
     ],
 )
 def test_unsupported_settings_are_refused_at_setup(overrides, message):
