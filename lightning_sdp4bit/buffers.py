@@ -179,24 +179,20 @@ class Bucket:
             view.add_(grad)
 
     def receive_grads(self, arrivals: list[tuple[int, Tensor]], accumulating: bool) -> None:
-        """`receive_grad` for several (position, gradient) pairs at once, with one multi-tensor
-        copy (or add) for all of them: the same result, a launch or two instead of one per
+        """`receive_grad` for several (position, gradient) pairs at once: the same result, with one
+        multi-tensor copy for first arrivals and one add for the others instead of a launch per
         parameter (a simulated job takes every rank's gradients this way)."""
-        if not arrivals:
-            return
         fresh = [(p, g) for p, g in arrivals if p not in self.received]
-        if not fresh and self.grads is not None and self.grads.dtype == torch.float32:
-            torch._foreach_add_([self._view(p) for p, _ in arrivals], [g for _, g in arrivals])
-            return
-        if len(fresh) < len(arrivals):
-            for position, grad in arrivals:
-                self.receive_grad(position, grad, accumulating)
-            return
-        first, rest = fresh[0], fresh[1:]
-        self.receive_grad(*first, accumulating)  # makes the buffer
-        views = [self._view(position) for position, _ in rest]
-        torch._foreach_copy_(views, [grad for _, grad in rest])
-        self.received.update(position for position, _ in rest)
+        again = [(p, g) for p, g in arrivals if p in self.received]
+        if fresh:
+            self.receive_grad(*fresh.pop(0), accumulating)  # makes the buffer on the window's first
+        if again and self.grads is not None and self.grads.dtype != torch.float32:
+            self.grads = self.grads.float()  # sums in fp32, as receive_grad takes them
+        if fresh:
+            torch._foreach_copy_([self._view(p) for p, _ in fresh], [g for _, g in fresh])
+            self.received.update(p for p, _ in fresh)
+        if again:
+            torch._foreach_add_([self._view(p) for p, _ in again], [g for _, g in again])
 
     def _view(self, position: int) -> Tensor:
         slot = self.layout.slots[position]

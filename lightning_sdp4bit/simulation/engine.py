@@ -73,10 +73,10 @@ class SimulatedRank:
     meter: WireMeter
     skipped: SkippedSteps
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    fragments: list[MasterFragment] = field(init=False)  # every record of fragments_by_name
 
-    @property
-    def fragments(self) -> list[MasterFragment]:
-        return [record for records in self.fragments_by_name.values() for record in records]
+    def __post_init__(self) -> None:
+        self.fragments = [record for records in self.fragments_by_name.values() for record in records]
 
 
 def _simulated_groups(nodes: int, local: int) -> list[ProcessGroups]:
@@ -114,6 +114,7 @@ class SimulatedEngine:
         with torch.no_grad():
             shared = allocate_buckets(layouts, dict(named), rank=0)  # the one copy of the weights
         self.trained_names = [slot.name for b in shared for slot in b.layout.slots]
+        self._trained_params = [p for b in shared for p in b.params]  # in trained_names order
         self.ranks: list[SimulatedRank] = []
         for rank, groups in enumerate(_simulated_groups(nodes, ranks_per_node)):
             topology = Topology(rank, self.world_size, ranks_per_node)
@@ -203,7 +204,7 @@ class SimulatedEngine:
         cleared; a CUDA graph passes its static gradient tensors instead (`simulation.graphed`)."""
         if self._reduced:
             self._open_window()
-        params = [p for bucket in self.buckets for p in bucket.params]
+        params = self._trained_params
         taken = grads if grads is not None else [p.grad for p in params]
         if grads is None:
             for param in params:
