@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from emulated_network import MODELS
+from emulated_runs import MODELS
 from emulation import Network
 from gpt_step import MAX_NORM, lm_loss, make_optimizer
 

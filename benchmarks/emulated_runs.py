@@ -1,0 +1,202 @@
+"""One run of the emulated-network benchmark: a model, a row (plain, the engine with a preset, or
+Lightning's Trainer with SDP4BitStrategy) and its phases, timed by phase_timer.PhaseTimer.
+
+Every run builds its model, optimizer and engine, and leaves nothing behind it: `_free()` empties
+the allocator, so a row measured after another starts from the same state as the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+
+import lightning as L
+import torch
+from emulation import Network
+from gpt_step import VOCAB, build_gpt, engine_step, lm_loss, make_optimizer, plain_step, random_tokens
+from phase_timer import Phase, PhaseTimer
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_sdp4bit import SDP4BitConfig, SDP4BitStrategy, ops
+from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    n_layer: int
+    n_embd: int
+    batch: int
+    seq: int
+    n_head: int = 16
+    vocab: int = VOCAB
+
+    def build(self, device: torch.device):
+        return build_gpt(self.n_layer, self.n_head, self.n_embd, self.seq, device, self.vocab)
+
+    def tokens(self, device: torch.device) -> torch.Tensor:
+        return random_tokens(self.batch, self.seq, device, self.vocab)
+
+
+MODELS = {
+    "356m": ModelSpec(24, 1024, batch=8, seq=2048),
+    "1.3b": ModelSpec(24, 2048, batch=4, seq=2048),
+    "tiny": ModelSpec(2, 64, batch=2, seq=32, n_head=4, vocab=512),  # the dry run's: ~0.1M parameters
+}
+ENGINE_ROWS = ("baseline", "qwd", "tlq_hs", "sdp4bit", "qw+ulq")
+SCENARIOS = ("nvlink", "ib400", "eth100", "custom")
+SETTLE = 1  # untimed steps after a rate change: they carry the previous phase's in-flight all-gathers
+
+
+def scenario_phase(name: str, args: argparse.Namespace) -> Phase:
+    """GB/s per GPU: Gb/s / 8. One node has no NIC; eth100's 100 Gb/s is the node's, shared."""
+    gbps = {"nvlink": math.inf, "ib400": 400, "eth100": 100 / args.ranks_per_node, "custom": args.link_gbps}[name]
+    return Phase(name, args.nvlink_gbs, gbps / 8)
+
+
+def row_config(row: str, ranks_per_node: int, bucket_numel: int | None) -> SDP4BitConfig:
+    extra = {"bucket_numel": bucket_numel} if bucket_numel else {}
+    if row == "qw+ulq":
+        return SDP4BitConfig.preset("ulq", weight_quant="direct", ranks_per_node=ranks_per_node, **extra)
+    return SDP4BitConfig.preset(row, ranks_per_node=ranks_per_node, **extra)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_plain(spec: ModelSpec, args, device, profile: str | None) -> dict:
+    model = spec.build(device)
+    optimizer, tokens = make_optimizer(model.parameters(), device), spec.tokens(device)
+    timer = PhaseTimer(None, [Phase("compute")], args, profile)
+    for _ in range(timer.total_steps):
+        plain_step(model, optimizer, tokens)
+        timer.after_step()
+    result = timer.results()["compute"]
+    result["params"] = sum(p.numel() for p in model.parameters())
+    del model, optimizer
+    _free()
+    return result
+
+
+def run_engine(spec: ModelSpec, row: str, topology: Topology, phases, args, device, profile) -> dict:
+    network = Network(device, topology, args.lightning_lane)
+    with network.install():
+        model = spec.build(device)
+        config = row_config(row, topology.ranks_per_node, args.bucket_numel)
+        engine = ShardedEngine(model, config, topology, network.groups())
+        optimizer = make_optimizer(model.parameters(), device)
+        engine.shard_optimizer(optimizer)
+        tokens = spec.tokens(device)
+        timer = PhaseTimer(network, phases, args, profile)
+        for _ in range(timer.total_steps):
+            engine_step(model, engine, optimizer, tokens)
+            timer.after_step()
+        results = timer.results()
+        engine.close()
+    del model, engine, optimizer
+    _free()
+    return results
+
+
+class EmulatedStrategy(SDP4BitStrategy):
+    """SDP4BitStrategy as rank 0 of `world` ranks, in this one process.
+
+    Lightning sees `world` ranks (so it injects a DistributedSampler of `world` replicas and runs
+    its per-batch SIGTERM broadcast); the launcher starts nothing; setup_environment still
+    initialises a real one-rank process group, which torch.distributed.is_initialized() needs.
+    The engine's groups come from Network.groups (Network.install patches create_process_groups).
+    Everything else is the real adapter.
+    """
+
+    def __init__(self, config: SDP4BitConfig, world: int):
+        super().__init__(config)
+        self._emulated_world = world
+
+    @property
+    def world_size(self) -> int:
+        return self._emulated_world
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self._emulated_world, "rank": 0}
+
+    def _configure_launcher(self) -> None:
+        self.config.resolve_ranks_per_node(self._emulated_world)  # fail now, as the real one does
+        if self.parallel_devices:
+            ops.check_kernel_limits(self.config, self.parallel_devices[0].type)
+        self._launcher = None
+
+
+class _Tokens(Dataset):
+    """`length` samples of seq + 1 tokens, cycling through one batch's worth."""
+
+    def __init__(self, spec: ModelSpec, length: int):
+        self.tokens, self.length = spec.tokens(torch.device("cpu")), length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.tokens[index % len(self.tokens)]
+
+
+class _GPTModule(L.LightningModule):
+    def __init__(self, spec: ModelSpec, device: torch.device):
+        super().__init__()
+        self.gpt = spec.build(device)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return lm_loss(self.gpt, batch)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.parameters(), self.device)
+
+
+class _AfterStep(L.Callback):
+    reads_weights = False  # sdp4bit: this hook needs no complete weights, so it costs no overlap
+
+    def __init__(self, timer: PhaseTimer):
+        self.timer = timer
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.timer.after_step()
+
+
+def run_trainer(spec: ModelSpec, preset: str, topology: Topology, phases, args, device, profile) -> dict:
+    network = Network(device, topology, args.lightning_lane)
+    timer = PhaseTimer(network, phases, args, profile)
+    strategy = EmulatedStrategy(row_config(preset, topology.ranks_per_node, args.bucket_numel), topology.world_size)
+    trainer = L.Trainer(
+        accelerator=device.type if device.type == "cpu" else "gpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-true",
+        max_steps=timer.total_steps,
+        gradient_clip_val=1.0,
+        callbacks=[_AfterStep(timer)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    # Pinned, as a GPU user's loader is: from pageable memory Lightning's copy of each batch to the
+    # GPU synchronises the stream (16.7 ms of host waits in 3 steps of the 1.3B trace).
+    data = DataLoader(
+        _Tokens(spec, topology.world_size * spec.batch * timer.total_steps),
+        spec.batch,
+        pin_memory=device.type == "cuda",
+    )
+    module = _GPTModule(spec, device)
+    with network.install():
+        trainer.fit(module, data)
+    results = timer.results()
+    del trainer, module, strategy
+    _free()
+    return results

@@ -1,0 +1,117 @@
+"""Timing one emulated run through phases (settings of the link rates), on the GPU's own clock.
+
+A run is a sequence of steps; `PhaseTimer.after_step()` after each optimizer step sets the rates
+(`Network.set_rates`) at the marks, and times each phase's steps back to back with CUDA events
+on the compute stream (nothing synchronised until `results()`), so that what a step leaves in
+flight (the weight all-gathers) is charged to the next step, as in training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+import time
+
+import torch
+from emulation import Network
+
+__all__ = ["PROFILED", "Phase", "PhaseTimer"]
+
+PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One setting of the links within a run: `compute` (no wait) or a scenario."""
+
+    name: str
+    nvlink_gbs: float = math.inf
+    nic_gbs: float = math.inf
+
+
+class PhaseTimer:
+    """Drives one run through its phases: call `after_step()` after every optimizer step.
+
+    `warmup` steps at the first phase's rates; then per phase `settle` steps at its rates, and
+    `steps` steps timed back to back (CUDA events on the compute stream, nothing synchronized
+    until `results()`); then, with `profile`, `PROFILED` more steps of the last phase traced.
+    """
+
+    def __init__(self, network: Network | None, phases: list[Phase], args, profile: str | None):
+        """`args`: warmup, settle, steps (step counts) and device."""
+        self.network, self.steps, self.profile_path = network, args.steps, profile
+        warmup, settle, steps = args.warmup, args.settle, args.steps
+        self.cuda = args.device.type == "cuda"
+        self._marks: list[tuple[int, object]] = [(0, functools.partial(self._set_rates, phases[0]))]
+        count = warmup
+        for phase in phases:
+            self._marks.append((count, functools.partial(self._set_rates, phase)))
+            self._marks.append((count + settle, functools.partial(self._start, phase)))
+            count += settle + steps
+            self._marks.append((count, functools.partial(self._stop, phase)))
+        if profile:
+            self._marks += [(count, self._start_profile), (count + PROFILED, self._stop_profile)]
+            count += PROFILED
+        self.total_steps, self._count, self._open = count, 0, {}
+        self._done: dict[str, dict] = {}
+        self._fire()
+
+    def after_step(self) -> None:
+        self._count += 1
+        self._fire()
+
+    def _fire(self) -> None:
+        while self._marks and self._marks[0][0] == self._count:
+            self._marks.pop(0)[1]()
+
+    def _set_rates(self, phase: Phase) -> None:
+        if self.network is not None:
+            self.network.set_rates(phase.nvlink_gbs, phase.nic_gbs)
+
+    def _clock(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _start(self, phase: Phase) -> None:
+        if self.network is not None:
+            self.network.reset()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._open[phase.name] = self._clock()
+
+    def _stop(self, phase: Phase) -> None:
+        end, network = self._clock(), self.network
+        busy = {k: v / 1e6 / self.steps for k, v in network.link_busy_ns().items()} if network else {}
+        self._done[phase.name] = {
+            "clocks": (self._open.pop(phase.name), end),
+            "busy_ms": busy,
+            "lightning_ops": network.lightning_ops / self.steps if network else 0.0,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
+        }
+
+    def _start_profile(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] * self.cuda)
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.start()
+
+    def _stop_profile(self) -> None:
+        self._profiler.stop()
+        self._profiler.export_chrome_trace(self.profile_path)
+        print(f"  wrote {self.profile_path}", file=sys.stderr)
+
+    def results(self) -> dict[str, dict]:
+        """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib."""
+        if self._marks:
+            raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
+        if self.cuda:
+            torch.cuda.synchronize()
+        for result in self._done.values():
+            start, end = result.pop("clocks")
+            elapsed = start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
+            result["step_ms"] = elapsed / self.steps
+        return self._done
