@@ -20,7 +20,18 @@ are ready), copies (rank 0's share of the result, as if every peer had sent what
 then spins on the GPU's %globaltimer for bytes / bandwidth (1 GB/s = 1 byte per ns; %globaltimer
 counts nanoseconds whatever the SM clock does, unlike torch.cuda._sleep). `async_op=True`
 returns a work handle whose `wait()` makes the caller's current stream wait for the lane's event,
-as NCCL's does; a synchronous call waits in place. No per-message latency is modelled.
+as NCCL's does; a synchronous call waits in place.
+
+Latency: each collective also waits, in sequence, a per-message latency for every step its
+algorithm takes on each link (`message_steps`): NVLink steps at `nvlink_us`, steps that cross the
+NIC at `nic_us`. A ring all-gather or reduce-scatter over G ranks on M nodes takes G - 1 steps,
+M - 1 of them across nodes; an all-to-all sends one message to each of its G - 1 peers (those on
+other nodes cross the NIC), charged one after another; an all-reduce takes the cheaper of a ring
+(2(G - 1) steps, 2(M - 1) across nodes) and a tree (2((G/M - 1) NVLink steps + ceil(log2 M) NIC
+steps)), as NCCL picks trees for small messages; a broadcast is a chain (G - 1 steps); a barrier
+an all-reduce of nothing. The step counts are those of NCCL's own cost model (src/graph/tuning.cc,
+`ncclTopoTuneModel`), whose per-step latencies for the Simple protocol are 3.4 us over NVLink and
+9.6 us over the network (0.5-1.9 us and 2.7-4.0 us for its low-latency protocols).
 
 What the loopbacks write, and the bytes a ring moves per rank for a group of G ranks (the
 copies themselves cost a few microseconds of the lane; they are not counted as busy):
@@ -115,26 +126,59 @@ class _Work:
         return self._done is None or self._done.query()
 
 
-class Lane:
-    """One FIFO of collectives: a CUDA stream, its bandwidth, and what it was charged."""
+def message_steps(kind: str, ranks: int, nodes: int) -> list[tuple[int, int]]:
+    """The algorithms a collective of `kind` over `ranks` ranks spread evenly on `nodes` nodes may
+    take, each as (NVLink steps, NIC steps) one rank waits through one after another (see the
+    module docstring); the emulation charges the cheapest."""
+    if ranks < 1 or nodes < 1 or ranks % nodes:
+        raise ValueError(f"{ranks} ranks cannot spread evenly on {nodes} nodes")
+    local = ranks // nodes
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+        return [(ranks - 1 - (nodes - 1), nodes - 1)]
+    if kind == "all_to_all":
+        return [(local - 1, ranks - local)]
+    if kind in ("all_reduce", "barrier"):
+        ring = (2 * (ranks - 1) - 2 * (nodes - 1), 2 * (nodes - 1))
+        return [ring, (2 * (local - 1), 2 * math.ceil(math.log2(nodes)))]
+    raise ValueError(f"no step count for a collective of kind {kind!r}")
 
-    def __init__(self, name: str, device: torch.device, spin: Callable[[int], None] | None):
-        self.name = name
+
+class Lane:
+    """One FIFO of collectives: a CUDA stream, its bandwidth and latencies, and what it was charged.
+
+    `nodes`: how many nodes the lane's groups span (1 for NVLink inside a node, M across nodes),
+    which decides how many of a collective's steps cross the NIC."""
+
+    def __init__(self, name: str, device: torch.device, spin: Callable[[int], None] | None, nodes: int = 1):
+        self.name, self.nodes = name, nodes
         # High priority, as a network does not wait for SMs to free up; it also keeps the lanes
         # out of the low-priority pool that torch.cuda.Stream() hands the engine's own streams from.
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._spin = spin
         self.gbs = math.inf  # GB/s per GPU; inf = no wait (the compute-only phase)
-        self.busy_ns = 0.0  # sum of the waits charged since the last reset
+        self.nvlink_ns = self.nic_ns = 0.0  # latency of one step on each link
+        self.busy_ns = 0.0  # sum of the waits charged since the last reset, latency included
+        self.latency_ns = 0.0  # the part of busy_ns that is latency
         self.ops = 0  # collectives run since the last reset
 
     def reset(self) -> None:
-        self.busy_ns, self.ops = 0.0, 0
+        self.busy_ns, self.latency_ns, self.ops = 0.0, 0.0, 0
 
-    def run(self, nbytes: float, tensors: tuple, loopback: Callable[[], Any], async_op: bool) -> _Work | None:
-        """Copy with `loopback`, then wait nbytes / gbs on this lane; see the module docstring."""
-        ns = 0.0 if math.isinf(self.gbs) else nbytes / self.gbs
+    def latency_of(self, kind: str, ranks: int) -> float:
+        """Nanoseconds of latency a collective of `kind` over `ranks` ranks of this lane waits."""
+        if math.isinf(self.gbs) or not (self.nvlink_ns or self.nic_ns):
+            return 0.0
+        algorithms = message_steps(kind, ranks, self.nodes)
+        return min(nvlink * self.nvlink_ns + nic * self.nic_ns for nvlink, nic in algorithms)
+
+    def run(
+        self, nbytes: float, latency_ns: float, tensors: tuple, loopback: Callable[[], Any], async_op: bool
+    ) -> _Work | None:
+        """Copy with `loopback`, then wait latency_ns + nbytes / gbs on this lane; see the module
+        docstring."""
+        ns = 0.0 if math.isinf(self.gbs) else nbytes / self.gbs + latency_ns
         self.busy_ns += ns
+        self.latency_ns += 0.0 if math.isinf(self.gbs) else latency_ns
         self.ops += 1
         if self.stream is None:  # the CPU: in place, at once
             loopback()
@@ -180,15 +224,20 @@ class Network:
             raise ValueError("the emulation plays rank 0")
         self.topology = topology
         spin = spin_kernel() if device.type == "cuda" else None
-        self.intra, self.inter, self.world = (Lane(name, device, spin) for name in ("intra", "inter", "world"))
-        self.lightning = self.world if lightning_lane == "shared" else Lane("lightning", device, spin)
+        nodes = topology.world_size // topology.ranks_per_node
+        self.intra = Lane("intra", device, spin)
+        self.inter, self.world = Lane("inter", device, spin, nodes), Lane("world", device, spin, nodes)
+        self.lightning = self.world if lightning_lane == "shared" else Lane("lightning", device, spin, nodes)
         self.lanes = [self.intra, self.inter, self.world] + ([self.lightning] if lightning_lane == "own" else [])
         self.lightning_ops = 0  # torch.distributed calls made outside comm (Lightning, the adapter)
 
-    def set_rates(self, nvlink_gbs: float, nic_gbs: float) -> None:
-        """GB/s per GPU on each link; math.inf for both gives the compute-only step."""
+    def set_rates(self, nvlink_gbs: float, nic_gbs: float, nvlink_us: float = 0.0, nic_us: float = 0.0) -> None:
+        """GB/s per GPU on each link (math.inf for both gives the compute-only step, which waits
+        no latency either), and the latency of one message step on each, in microseconds."""
         self.intra.gbs, self.inter.gbs = nvlink_gbs, nic_gbs
         self.world.gbs = self.lightning.gbs = nic_gbs if self.topology.has_inter_stage else nvlink_gbs
+        for lane in self.lanes:
+            lane.nvlink_ns, lane.nic_ns = 1e3 * nvlink_us, 1e3 * nic_us
 
     def reset(self) -> None:
         self.lightning_ops = 0
@@ -196,7 +245,8 @@ class Network:
             lane.reset()
 
     def link_busy_ns(self) -> dict[str, float]:
-        """Busy time per physical link: the world lanes are charged to the link they cross."""
+        """Busy time per physical link: the world lanes are charged to the link they cross;
+        "latency": the part of all lanes' busy time that was per-message latency."""
         world = self.world.busy_ns + (self.lightning.busy_ns if self.lightning is not self.world else 0.0)
         several_nodes = self.topology.has_inter_stage
         return {
@@ -205,6 +255,7 @@ class Network:
             "world": world,
             "nvlink": self.intra.busy_ns + (0.0 if several_nodes else world),
             "nic": self.inter.busy_ns + (world if several_nodes else 0.0),
+            "latency": sum(lane.latency_ns for lane in self.lanes),
         }
 
     # ----------------------------------------------------------------------------------------
@@ -260,7 +311,8 @@ class Network:
         def loopback():
             output.view(ranks, input.numel()).copy_(input.reshape(1, -1).expand(ranks, -1))
 
-        return lane.run((ranks - 1) / ranks * output.nbytes, (output, input), loopback, async_op)
+        latency = lane.latency_of("all_gather", ranks)
+        return lane.run((ranks - 1) / ranks * output.nbytes, latency, (output, input), loopback, async_op)
 
     def reduce_scatter(self, output, input, group=None, async_op=False):
         ranks = input.numel() // output.numel()
@@ -269,32 +321,36 @@ class Network:
         def loopback():
             output.copy_(input.reshape(ranks, -1)[0].view_as(output))
 
-        return lane.run((ranks - 1) / ranks * input.nbytes, (output, input), loopback, async_op)
+        latency = lane.latency_of("reduce_scatter", ranks)
+        return lane.run((ranks - 1) / ranks * input.nbytes, latency, (output, input), loopback, async_op)
 
     def all_to_all(self, output, input, group=None, async_op=False):
         lane, ranks = self._group(group, self.world)
-        return lane.run((ranks - 1) / ranks * input.nbytes, (output, input), lambda: output.copy_(input), async_op)
+        nbytes, latency = (ranks - 1) / ranks * input.nbytes, lane.latency_of("all_to_all", ranks)
+        return lane.run(nbytes, latency, (output, input), lambda: output.copy_(input), async_op)
 
     def all_reduce(self, tensor, group=None, async_op=False):
         lane, ranks = self._group(group, self.world)
-        if not tensor.is_cuda and lane.stream is not None:  # a CPU bitmap over gloo beside NCCL: latency only
+        if not tensor.is_cuda and lane.stream is not None:  # a host all-reduce (gloo beside NCCL): no GPU lane
             tensor.mul_(ranks)
             return _Work(None) if async_op else None
-        return lane.run(2 * (ranks - 1) / ranks * tensor.nbytes, (tensor,), lambda: tensor.mul_(ranks), async_op)
+        nbytes, latency = 2 * (ranks - 1) / ranks * tensor.nbytes, lane.latency_of("all_reduce", ranks)
+        return lane.run(nbytes, latency, (tensor,), lambda: tensor.mul_(ranks), async_op)
 
     def broadcast(self, tensor, src=0, group=None, async_op=False):
-        lane, _ = self._group(group, self.world)
-        return lane.run(tensor.nbytes, (tensor,), lambda: None, async_op)
+        lane, ranks = self._group(group, self.world)
+        return lane.run(tensor.nbytes, lane.latency_of("broadcast", ranks), (tensor,), lambda: None, async_op)
 
     # torch.distributed's signatures, for the calls Lightning and the adapter make directly.
 
     def _dist_broadcast(self, tensor, src=0, group=None, async_op=False, **kwargs):
-        lane, _ = self._dist_group(group)
-        return lane.run(tensor.nbytes, (tensor,), lambda: None, async_op)
+        lane, ranks = self._dist_group(group)
+        return lane.run(tensor.nbytes, lane.latency_of("broadcast", ranks), (tensor,), lambda: None, async_op)
 
     def _dist_all_reduce(self, tensor, op=None, group=None, async_op=False):
         lane, ranks = self._dist_group(group)
-        return lane.run(2 * (ranks - 1) / ranks * tensor.nbytes, (tensor,), lambda: None, async_op)
+        nbytes, latency = 2 * (ranks - 1) / ranks * tensor.nbytes, lane.latency_of("all_reduce", ranks)
+        return lane.run(nbytes, latency, (tensor,), lambda: None, async_op)
 
     def _dist_all_gather(self, tensor_list, tensor, group=None, async_op=False):
         lane, _ = self._dist_group(group)
@@ -305,11 +361,11 @@ class Network:
                 out.copy_(tensor)
 
         nbytes = (ranks - 1) * tensor.nbytes
-        return lane.run(nbytes, (tensor, *tensor_list), loopback, async_op)
+        return lane.run(nbytes, lane.latency_of("all_gather", ranks), (tensor, *tensor_list), loopback, async_op)
 
     def _dist_barrier(self, group=None, async_op=False, device_ids=None):
-        lane, _ = self._dist_group(group)
-        return lane.run(0, (), lambda: None, async_op)
+        lane, ranks = self._dist_group(group)
+        return lane.run(0, lane.latency_of("barrier", ranks), (), lambda: None, async_op)
 
     # ----------------------------------------------------------------------------------------
     # Installing

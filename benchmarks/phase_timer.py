@@ -24,11 +24,14 @@ PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One setting of the links within a run: `compute` (no wait) or a scenario."""
+    """One setting of the links within a run: `compute` (no wait) or a scenario. Bandwidths in GB/s
+    per GPU, latencies per message step in microseconds (emulation.message_steps)."""
 
     name: str
     nvlink_gbs: float = math.inf
     nic_gbs: float = math.inf
+    nvlink_us: float = 0.0
+    nic_us: float = 0.0
 
 
 class PhaseTimer:
@@ -68,7 +71,7 @@ class PhaseTimer:
 
     def _set_rates(self, phase: Phase) -> None:
         if self.network is not None:
-            self.network.set_rates(phase.nvlink_gbs, phase.nic_gbs)
+            self.network.set_rates(phase.nvlink_gbs, phase.nic_gbs, phase.nvlink_us, phase.nic_us)
 
     def _clock(self):
         if not self.cuda:

@@ -1,0 +1,99 @@
+"""The emulated network's per-message latency (benchmarks/emulation.py), on the CPU.
+
+Checks:
+- `message_steps` counts the steps of each algorithm on each link as NCCL's cost model does:
+  ring all-gather / reduce-scatter G - 1 steps (M - 1 across nodes), all-to-all one message per
+  peer (those on other nodes across the NIC), all-reduce a ring or a tree, and refuses a group
+  that does not spread evenly on its nodes or a collective it does not know;
+- every collective on a lane is charged its bytes / bandwidth plus the latency of its cheapest
+  algorithm on the links its group spans (NVLink inside a node, the NIC across nodes), and the
+  latency part is reported on its own;
+- the compute-only phase (infinite bandwidth) waits no latency, and latency 0 adds nothing.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_sdp4bit.comm as comm
+from lightning_sdp4bit.topology import Topology
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from emulation import Network, message_steps  # noqa: E402
+
+CPU = torch.device("cpu")
+US = 1000.0  # ns
+
+
+@pytest.mark.parametrize(
+    "kind, ranks, nodes, expected",
+    [
+        ("all_gather", 64, 16, [(48, 15)]),  # the world of 16 x 4
+        ("reduce_scatter", 16, 16, [(0, 15)]),  # an inter-node group: one rank per node
+        ("all_gather", 4, 1, [(3, 0)]),  # an intra-node group
+        ("all_to_all", 64, 16, [(3, 60)]),
+        ("all_to_all", 8, 8, [(0, 7)]),
+        ("broadcast", 8, 2, [(6, 1)]),
+        ("all_reduce", 64, 16, [(96, 30), (6, 8)]),  # ring, tree
+        ("barrier", 8, 1, [(14, 0), (14, 0)]),
+    ],
+)
+def test_message_steps_follow_nccls_cost_model(kind, ranks, nodes, expected):
+    assert message_steps(kind, ranks, nodes) == expected
+
+
+def test_message_steps_refuse_what_they_cannot_count():
+    with pytest.raises(ValueError, match="6 ranks cannot spread evenly on 4 nodes"):
+        message_steps("all_gather", 6, 4)
+    with pytest.raises(ValueError, match="kind 'gather'"):
+        message_steps("gather", 8, 2)
+
+
+def _network(nvlink_us: float, nic_us: float, world: int = 8, ranks_per_node: int = 4) -> Network:
+    network = Network(CPU, Topology(0, world, ranks_per_node), "own")
+    network.set_rates(1.0, 1.0, nvlink_us, nic_us)  # 1 GB/s = 1 byte per ns
+    return network
+
+
+def test_each_collective_pays_its_groups_latency_on_the_links_it_crosses():
+    network = _network(nvlink_us=2.0, nic_us=10.0)  # 2 nodes x 4
+    groups = network.groups()
+    x = torch.ones(64)
+    with network.install():
+        comm.all_gather(torch.empty(2 * 64), x, group=groups.inter)  # 1 NIC step
+        comm.all_to_all(torch.empty(4 * 16), torch.ones(4 * 16), group=groups.intra)  # 3 NVLink messages
+        comm.all_reduce(torch.ones(16), group=groups.world)  # tree: 6 NVLink + 2 NIC steps < ring 12 + 2
+        dist.broadcast(torch.ones(8), src=0)  # Lightning's, its own lane: a chain of 6 NVLink + 1 NIC steps
+    assert network.inter.busy_ns == pytest.approx(64 * 4 + 10 * US)
+    assert network.intra.busy_ns == pytest.approx(3 / 4 * 64 * 4 + 3 * 2 * US)
+    assert network.world.busy_ns == pytest.approx(2 * 7 / 8 * 64 + 6 * 2 * US + 2 * 10 * US)
+    assert network.lightning.busy_ns == pytest.approx(32 + 6 * 2 * US + 10 * US)
+    busy = network.link_busy_ns()
+    assert busy["latency"] == pytest.approx((10 + 6 + 32 + 22) * US)
+    assert busy["nic"] == pytest.approx(network.inter.busy_ns + network.world.busy_ns + network.lightning.busy_ns)
+
+
+def test_a_ring_is_charged_when_it_is_cheaper_than_the_tree():
+    # One node of 8: the tree has no NIC steps to save and 2 x 7 NVLink steps, as many as the ring.
+    network = _network(nvlink_us=1.0, nic_us=100.0, world=8, ranks_per_node=8)
+    with network.install():
+        comm.all_reduce(torch.ones(4), group=network.groups().world)
+    assert network.world.latency_ns == pytest.approx(14 * US)
+
+
+@pytest.mark.parametrize("rates", [(math.inf, math.inf, 2.0, 10.0), (1.0, 1.0, 0.0, 0.0)])
+def test_no_latency_without_a_network_or_with_latency_zero(rates):
+    network = Network(CPU, Topology(0, 8, 4), "shared")
+    network.set_rates(*rates)
+    groups = network.groups()
+    with network.install():
+        comm.all_gather(torch.empty(2 * 10), torch.ones(10), group=groups.inter)
+        comm.all_reduce(torch.ones(10), group=groups.world)
+    assert network.link_busy_ns()["latency"] == 0.0
+    expected = 0.0 if math.isinf(rates[0]) else 10 * 4 + 2 * 7 / 8 * 40
+    assert network.inter.busy_ns + network.world.busy_ns == pytest.approx(expected)
