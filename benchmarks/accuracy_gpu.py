@@ -40,7 +40,7 @@ from gpt.module import decay_groups, warmup_cosine  # noqa: E402
 
 from lightning_sdp4bit import SDP4BitConfig  # noqa: E402
 from lightning_sdp4bit.simulation import SimulatedEngine, parse_world  # noqa: E402
-from lightning_sdp4bit.simulation.graphed import GraphedBackward  # noqa: E402
+from lightning_sdp4bit.simulation.graphed import GraphedRanks  # noqa: E402
 
 PRESETS = ["baseline", "qw", "qwd", "ulq", "tlq", "tlq_hs", "sdp4bit"]
 RESULTS = ROOT / "benchmarks" / "results" / "accuracy_gpu"
@@ -127,12 +127,12 @@ class Data:
         index = starts[:, None] * self.study.block_size + torch.arange(self._span, device=self.device)
         return (self.train if source is None else source)[index].long()
 
-    def batch(self, step: int, rank: int) -> torch.Tensor:
-        """Windows [b, T + 1]: what DistributedSampler(num_replicas=W, rank) over `order` puts in this
-        rank's batch `step`, positions rank + W * (step * b + k) for k < b."""
+    def batches(self, step: int) -> torch.Tensor:
+        """Windows [W, b, T + 1]: row r is what DistributedSampler(num_replicas=W, rank=r) over
+        `order` puts in rank r's batch `step`, positions r + W * (step * b + k) for k < b."""
         w, b = self.study.ranks, self.study.batch_per_rank
-        positions = rank + w * (step * b + torch.arange(b, device=self.device))
-        return self._windows(self.order[positions])
+        positions = torch.arange(w, device=self.device)[:, None] + w * (step * b + torch.arange(b, device=self.device))
+        return self._windows(self.order[positions.flatten()]).view(w, b, self._span)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, windows: int, chunk: int = 16) -> float:
@@ -152,24 +152,33 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean
 
 
 class RankPasses:
-    """Each simulated rank's forward and backward into its window gradients: replayed from a CUDA
-    graph on a GPU (the eager pass's bits without its host launches), eager on a CPU."""
+    """Every simulated rank's forward and backward into its window gradients, in rank order:
+    replayed from CUDA graphs on a GPU (the eager pass's bits without its host launches, `streams`
+    ranks at a time), eager on a CPU."""
 
-    def __init__(self, model: torch.nn.Module, engine: SimulatedEngine, example: torch.Tensor, graphed: bool):
+    def __init__(
+        self, model: torch.nn.Module, engine: SimulatedEngine, example: torch.Tensor, graphed: bool, streams: int = 2
+    ):
         self.model, self.engine = model, engine
         params = [p for bucket in engine.buckets for p in bucket.params]
-        self.graph = GraphedBackward(lambda t: loss_of(model, t), example, params) if graphed else None
+        self.graphs = GraphedRanks(lambda t: loss_of(model, t), example, params, streams) if graphed else None
 
-    def __call__(self, rank: int, tokens: torch.Tensor) -> torch.Tensor:
-        """The rank's loss (on a GPU a static tensor, overwritten by the next call: read it at once)."""
-        if self.graph is None:
-            loss = loss_of(self.model, tokens)
-            loss.backward()
-            self.engine.receive_grads(rank, accumulating=False)
-            return loss.detach()
-        loss, grads = self.graph(tokens)
-        self.engine.receive_grads(rank, accumulating=False, grads=grads)
-        return loss
+    def step(self, micro_batches: torch.Tensor, total: torch.Tensor) -> None:
+        """Rank r trains on micro_batches[r] ([W, b, T + 1]); its loss is added to `total`, in rank
+        order."""
+        if self.graphs is None:
+            for rank, tokens in enumerate(micro_batches):
+                loss = loss_of(self.model, tokens)
+                loss.backward()
+                self.engine.receive_grads(rank, accumulating=False)
+                total += loss.detach()
+            return
+
+        def take(rank: int, loss: torch.Tensor, grads: list) -> None:
+            self.engine.receive_grads(rank, accumulating=False, grads=grads)
+            total.add_(loss)
+
+        self.graphs.run(micro_batches, take)
 
 
 def build(study: Study, preset: str, rounding_seed: int, device: torch.device):
@@ -212,8 +221,11 @@ def restore(state, model, engine, schedule) -> dict:
     return state["progress"]
 
 
-def train_run(name: str, study: Study, corpus, device: torch.device, state_dir: Path, deadline: float) -> dict | None:
-    """Train `name` until done (returns its results) or until `deadline` (saves, returns None)."""
+def train_run(
+    name: str, study: Study, corpus, device: torch.device, state_dir: Path, deadline: float, streams: int = 2
+) -> dict | None:
+    """Train `name` until done (returns its results) or until `deadline` (saves, returns None).
+    `streams`: ranks whose graphs replay at once on a GPU (the same bits for any value)."""
     preset, rounding_seed, data_seed = parse_run(name)
     data = Data(corpus, study, data_seed, device)
     model, engine, optimizer, schedule = build(study, preset, rounding_seed, device)
@@ -223,13 +235,12 @@ def train_run(name: str, study: Study, corpus, device: torch.device, state_dir: 
         progress = restore(torch.load(state_path, map_location=device, weights_only=False), model, engine, schedule)
         print(f"{name}: resumed at step {progress['step']}", flush=True)
     started, stats = time.time(), {}
-    passes = RankPasses(model, engine, data.batch(0, 0), graphed=device.type == "cuda")
+    passes = RankPasses(model, engine, data.batches(0)[0], graphed=device.type == "cuda", streams=streams)
     train_sum = torch.full((), progress["train_partial"], device=device)  # losses since the last report
     for step in range(progress["step"], study.steps):
         if step % study.eval_every == 0:
             progress["val"].append((step, data.evaluate(model, study.eval_windows)))
-        for rank in range(study.ranks):
-            train_sum += passes(rank, data.batch(step, rank))
+        passes.step(data.batches(step), train_sum)
         stats = engine.optimizer_step(study.clip)
         schedule.step()
         progress["step"] = step + 1
@@ -277,11 +288,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--budget", type=float, default=540, help="seconds of training in this call")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--state", type=Path, default=Path("/tmp/sdp4bit_accuracy_gpu"))
+    parser.add_argument("--streams", type=int, default=2, help="GPU: ranks replayed at once (same bits for any)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI, CPU)")
     parser.add_argument("--throughput", action="store_true", help="measure the simulation's speed and memory")
     parser.add_argument("--report", action="store_true", help="write docs/accuracy_gpu.md from finished runs")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where --report writes")
     args = parser.parse_args(argv)
+    if args.streams < 1:
+        parser.error(f"--streams must be at least 1, got {args.streams}")
     study = SMOKE if args.smoke else Study()
     if args.report:
         from accuracy_gpu_report import write_report
@@ -307,7 +321,7 @@ def main(argv: list[str]) -> None:
     for index, name in enumerate(pending):
         if index and time.time() > deadline:  # the first pending run always gets a step
             break
-        result = train_run(name, replace(study), corpus, device, args.state, deadline)
+        result = train_run(name, replace(study), corpus, device, args.state, deadline, args.streams)
         if result is not None:
             args.results.mkdir(parents=True, exist_ok=True)
             (args.results / f"{name}.json").write_text(json.dumps(result, indent=1))

@@ -55,9 +55,11 @@ def _step_of(study, preset: str | None, device: torch.device):
     b = study.batch_per_rank
     passes = RankPasses(model, engine, x[:b], graphed=device.type == "cuda")
 
+    micro_batches = x.view(study.ranks, b, -1)
+    losses = torch.zeros((), device=device)
+
     def simulated_step():
-        for rank in range(study.ranks):
-            passes(rank, x[rank * b : (rank + 1) * b])
+        passes.step(micro_batches, losses)
         engine.optimizer_step(max_norm=1.0)
 
     return simulated_step, params

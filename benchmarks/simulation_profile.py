@@ -1,11 +1,12 @@
 """Where a simulated W-rank step spends its time on a GPU, and what a CUDA graph of one rank's
 forward and backward would save (and whether it gives the eager pass's bits).
 
-    python benchmarks/simulation_profile.py [--world 16x4] [--preset sdp4bit]
+    python benchmarks/simulation_profile.py [--world 16x4] [--preset sdp4bit] [--streams 2]
 
 Prints the step's phases (host clock around each, the device synchronised between them): the W
-ranks' forward + backward, their gradient intake, the exchanges and verdict, the optimizer steps,
-the weight exchange; then the per-rank forward + backward replayed from a CUDA graph.
+ranks' forward + backward (replayed from CUDA graphs, --streams at once) with their gradient
+intake, the exchanges and verdict, the optimizer steps, the weight exchange; then one rank's
+forward + backward replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", default="16x4")
     parser.add_argument("--preset", default="sdp4bit")
+    parser.add_argument("--streams", type=int, default=2, help="ranks whose graphs replay at once")
     args = parser.parse_args()
     study = Study(world=args.world)
     device = torch.device("cuda")
@@ -44,11 +46,11 @@ def main() -> None:
         torch.cuda.synchronize()
         phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
-    passes = RankPasses(model, engine, x[:1], graphed=True)
+    passes = RankPasses(model, engine, x[:1], graphed=True, streams=args.streams)
+    losses = torch.zeros((), device=device)
 
     def step():
-        for rank in range(study.ranks):
-            timed("forward + backward (graph) + gradient intake", lambda r=rank: passes(r, x[r : r + 1]))
+        timed("forward + backward (graphs) + gradient intake", lambda: passes.step(x[:, None], losses))
         timed("exchanges + verdict", engine.finish_grad_sync)
         timed("clip + prepare", lambda: (engine.clip_grad_norm(1.0), engine.prepare_step()))
         timed("optimizer steps", lambda: (optimizer.step(), engine.step_other_ranks()))

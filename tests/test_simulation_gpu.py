@@ -1,6 +1,8 @@
 """The simulation on a GPU (skipped without CUDA):
 - each rank's forward and backward replayed from a CUDA graph gives the eager pass's gradients:
-  3 simulated steps of sdp4bit at 2 x 2 end with the same masters and weights, bit for bit;
+  3 simulated steps of sdp4bit at 2 x 2 end with the same masters, weights and losses, bit for
+  bit, whether the graphs replay one rank at a time or three at once on their own streams (4 ranks
+  over 3 copies: the first copy serves ranks 0 and 3, so its reuse is ordered after the intake);
 - a micro-batch of another shape is refused by name.
 """
 
@@ -10,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_sdp4bit.simulation.graphed import GraphedRanks
+
 sys.path[:0] = [
     str(Path(__file__).resolve().parents[1] / "benchmarks"),
     str(Path(__file__).resolve().parents[1] / "examples"),
@@ -18,7 +22,7 @@ sys.path[:0] = [
 pytestmark = pytest.mark.gpu
 
 
-def _train(graphed: bool):
+def _train(graphed: bool, streams: int = 1):
     from accuracy_gpu import RankPasses, Study, build
 
     study = Study(n_layer=2, n_embd=128, n_head=4, block_size=256, world="2x2")
@@ -28,19 +32,27 @@ def _train(graphed: bool):
         0, 256, (3, study.ranks, 1, study.block_size + 1), generator=torch.Generator().manual_seed(0)
     )
     tokens = tokens.to(device)
-    passes = RankPasses(model, engine, tokens[0, 0], graphed)
+    passes = RankPasses(model, engine, tokens[0, 0], graphed, streams)
+    losses = []
     for step in range(3):
-        for rank in range(study.ranks):
-            passes(rank, tokens[step, rank])
+        losses.append(torch.zeros((), device=device))
+        passes.step(tokens[step], losses[-1])
         engine.optimizer_step(max_norm=1.0)
     masters = [b.master.clone() for rank in engine.ranks for b in rank.buckets]
-    return masters, [p.detach().clone() for p in model.parameters()], passes
+    return masters, [p.detach().clone() for p in model.parameters()], torch.stack(losses)
 
 
-def test_graph_replay_gives_the_eager_bits():
-    eager_masters, eager_weights, _ = _train(graphed=False)
-    masters, weights, passes = _train(graphed=True)
+@pytest.mark.parametrize("streams", [1, 3])
+def test_graph_replay_gives_the_eager_bits(streams):
+    eager_masters, eager_weights, eager_losses = _train(graphed=False)
+    masters, weights, losses = _train(graphed=True, streams=streams)
     assert all(torch.equal(a, b) for a, b in zip(eager_masters, masters, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, weights, strict=True))
-    with pytest.raises(ValueError, match=r"captured for a micro-batch of shape \(1, 257\)"):
-        passes(0, torch.zeros(2, 257, dtype=torch.long, device="cuda"))
+    assert torch.equal(eager_losses, losses)
+
+
+def test_a_micro_batch_of_another_shape_is_refused():
+    model = torch.nn.Linear(4, 1).cuda()
+    ranks = GraphedRanks(lambda t: model(t).sum(), torch.zeros(2, 4, device="cuda"), list(model.parameters()), 2)
+    with pytest.raises(ValueError, match=r"captured for a micro-batch of shape \(2, 4\)"):
+        ranks.run([torch.zeros(3, 4, device="cuda")], lambda *_: None)
