@@ -12,9 +12,10 @@ its gradients are the eager ones bit for bit (checked there, and in tests/test_s
 
 `GraphedRanks` holds a few copies of that graph and replays them on as many streams at once: a
 pass of one sequence leaves much of an H200 idle (a 768-wide projection of 1024 tokens is 48
-tiles of 128 x 128 for 132 SMs), and two passes side by side fill it better. Every copy runs the
-same kernels on its own memory, so the gradients are the same bits; the caller takes them in rank
-order on its own stream.
+tiles of 128 x 128 for 132 SMs), which passes side by side can fill
+(`benchmarks/simulation_profile.py --streams N` measures it). Every copy runs the same kernels on
+its own memory, so the gradients are the same bits; the caller takes them in rank order on its
+own stream.
 
 What a graph cannot do: a micro-batch of another shape (each shape needs its own graph), work on
 the host inside forward (data-dependent Python control flow is frozen at capture), or anything
