@@ -13,6 +13,8 @@ Checks:
 - the dry run (tiny GPT, CPU) prints a table per scenario, with every row, Lightning's
   per-batch broadcast routed through the emulated world link, and writes the same text to
   --markdown. Its figures are not timings and nothing here asserts on them;
+- activation checkpointing (gpt_step.build_gpt): parameter names and gradients unchanged, each
+  block's modules run forward twice;
 - on a GPU, the middle stage of two-level exchanges queued on the engine's exchange stream gives
   the host-driven exchange's gradient shards bit for bit, with several exchanges in flight, and
   the second stage of two-level weight all-gathers (qWD and plain) the host-driven weights.
@@ -162,6 +164,20 @@ def test_dry_run_prints_every_table(tmp_path):
         assert "nan" not in table and "inf" not in table
         assert "Trainer + sdp4bit: 1.0 Lightning collectives per step" in table  # the SIGTERM broadcast
     assert out.read_text() == text
+
+
+def test_checkpointed_blocks_recompute_with_the_same_names_and_gradients():
+    from gpt_step import build_gpt, lm_loss, random_tokens
+
+    plain, checkpointed = (build_gpt(2, 4, 64, 32, CPU, 512, checkpoint_blocks=c) for c in (False, True))
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in checkpointed.named_parameters()]
+    calls, tokens = [], random_tokens(2, 32, CPU, 512)
+    for model in (plain, checkpointed):
+        model.blocks[1].mlp.fc.register_forward_pre_hook(lambda module, args, model=model: calls.append(model))
+        lm_loss(model, tokens).backward()
+    assert (calls.count(plain), calls.count(checkpointed)) == (1, 2)  # forward, and again in the backward
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
 
 
 def _four_buckets_over_slow_links():
