@@ -9,6 +9,7 @@ On the H200 (from the repository root; the whole --quick run, one run per row, t
         --scenarios ib400,eth100 --json 16x4.json                                  # 16 nodes x 4, raw runs kept
     python3 benchmarks/emulated_network.py --model 356m,1.3b,6.7b --world 64 --ranks-per-node 8 \
         --scenarios ib400 --json 8x8.json                                          # 8 nodes x 8
+    python3 benchmarks/emulated_network.py --tables-from 8x8.json                  # its tables again
     python3 benchmarks/emulated_network.py --model 1.3b --presets sdp4bit --scenarios eth100 \
         --trainer-presets none --repeats 1 --profile trace.json                    # one row, with a trace
     python3 benchmarks/emulated_network.py --link-gbps 200 --scenarios custom      # 200 Gb/s per GPU
@@ -40,7 +41,8 @@ a step leaves in flight are charged to the next), its min-max over the repeats a
 (max - min) / median, rows above 3% listed under the table; the compute-only step (the same run
 with no wait); the busy time of each lane; step / max(compute-only, busiest link); speed against
 the engine's baseline and the overlapped DDP (>1 is faster), all from medians; peak memory since
-the phase began. --json writes every run's raw results (round, position, row, topology, phases).
+the phase began. --json writes every run's raw results (round, position, row, topology, phases)
+with the arguments and the header; --tables-from JSON prints the same tables again from them.
 """
 
 from __future__ import annotations
@@ -104,10 +106,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny GPT, one step: checks the script only")
     parser.add_argument("--markdown", default=None, help="also append the tables to this file")
     parser.add_argument("--json", default=None, help="also write every run's raw results (each repeat) to this file")
+    again = "print the tables of a --json file again (its own arguments; nothing measured, other flags ignored)"
+    parser.add_argument("--tables-from", default=None, metavar="JSON", help=again)
     parser.add_argument(
         "--profile", default=None, help="write a torch profiler trace per run: PATH.json -> PATH_<run>.json"
     )
     args = parser.parse_args(argv)
+    if args.tables_from:
+        if not Path(args.tables_from).is_file():
+            parser.error(f"--tables-from: no file {args.tables_from}")
+        return args
     few = args.quick or args.dry_run
     args.steps = args.steps if args.steps is not None else 1 if args.dry_run else 3 if few else 10
     args.warmup = args.warmup if args.warmup is not None else 0 if args.dry_run else 2 if few else 3
@@ -190,15 +198,13 @@ def _topologies(args) -> dict[str, tuple[Topology, list[Phase]]]:
     return topologies
 
 
-def measure_model(model: str, args, device: torch.device) -> tuple[list[str], list[dict]]:
-    """Every row of one model, `args.repeats` times, interleaved (see `interleave`); returns one
-    Markdown table per scenario, and every run's raw results (round, position, row, topology)."""
+def measure_model(model: str, args, device: torch.device) -> list[dict]:
+    """Every row of one model, `args.repeats` times, interleaved (see `interleave`), each from a
+    fresh state; returns every run's raw results, with its round, position, row and topology."""
     spec, topologies = MODELS[model], _topologies(args)
-    rows = [(row, run_engine, row) for row in args.presets]
-    rows += [(f"Trainer + {preset}", run_trainer, preset) for preset in args.trainer_presets]
-    jobs = [("plain", "")] + [(row, key) for key in topologies for row, _, _ in rows]
-    runs = {row: (run, preset) for row, run, preset in rows}
-    results: dict[tuple[str, str], list[dict]] = {job: [] for job in jobs}
+    rows = {row: (run_engine, row) for row in args.presets}
+    rows |= {f"Trainer + {preset}": (run_trainer, preset) for preset in args.trainer_presets}
+    jobs = [("plain", "")] + [(row, key) for key in topologies for row in rows]
     raw = []
     for r, order in enumerate(interleave(jobs, args.repeats)):
         for position, (row, key) in enumerate(order):
@@ -209,21 +215,33 @@ def measure_model(model: str, args, device: torch.device) -> tuple[list[str], li
                 if row == "plain":
                     result = run_plain(spec, args, device, trace, watched)
                 else:
-                    run, preset = runs[row]
+                    run, preset = rows[row]
                     topology, phases = topologies[key]
                     result = run(spec, preset, topology, phases, args, device, trace, watched)
-            results[(row, key)].append(result)
             raw.append({"model": model, "round": r, "position": position, "row": row, "topology": key, **result})
-    plain = results[("plain", "")]
+    return raw
+
+
+def tabulate(model: str, raw: list[dict], args) -> list[str]:
+    """One Markdown table per scenario of `model`, from the raw runs (measure_model's or a --json file's)."""
+
+    def repeats(row: str, key: str) -> list[dict]:
+        return sorted((r for r in raw if (r["model"], r["row"], r["topology"]) == (model, row, key)), key=_round)
+
+    rows = list(args.presets) + [f"Trainer + {preset}" for preset in args.trainer_presets]
     tables = []
-    for key, (_, phases) in topologies.items():
-        by_row = {row: results[(row, key)] for row, _, _ in rows}
-        tables += [scenario_table(model, phase, plain, by_row, args) for phase in phases[1:]]
-    return tables, raw
+    for key, (_, phases) in _topologies(args).items():
+        by_row = {row: repeats(row, key) for row in rows}
+        tables += [scenario_table(model, phase, repeats("plain", ""), by_row, args) for phase in phases[1:]]
+    return tables
+
+
+def _round(run: dict) -> int:
+    return run["round"]
 
 
 def _finite(value):
-    """JSON without NaN: the CPU's peak memory is None."""
+    """JSON without NaN: the CPU's peak memory is written as null (and read back as NaN)."""
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -233,19 +251,21 @@ def _finite(value):
     return value
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def _report(record: dict, args) -> str:
+    """The header and every table: what the script prints, from a record (as --json writes it)."""
+    tables = [table for model in record["models"] for table in tabulate(model, record["runs"], args)]
+    return "\n".join(record["header"] + tables)
+
+
+def _measure(args, argv: list[str] | None) -> dict:
+    """Every model's runs, and the header that describes them."""
     device = args.device
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
     started = time.perf_counter()
     if not args.dry_run:
         accuracy = spin_accuracy()
         if not 0.98 < accuracy < 1.05:
             raise SystemExit(f"error: the %globaltimer wait took {accuracy:.3f}x the time asked: the emulation is off")
-    tables, raw = [], []
-    for model in args.models:
-        model_tables, model_raw = measure_model(model, args, device)
-        tables, raw = tables + model_tables, raw + model_raw
+    raw = [run for model in args.models for run in measure_model(model, args, device)]
     name = "CPU" if args.dry_run else torch.cuda.get_device_name()
     ckpt = [model for model in args.models if MODELS[model].checkpoint]
     checkpointed = f" ({', '.join(ckpt)} with activation checkpointing)" if ckpt else ""
@@ -262,16 +282,47 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if args.dry_run:
         header += ["**Dry run on the CPU: a check of the script, not a measurement. No figure here is a timing.**", ""]
-    text = "\n".join(header + tables)
+    settings = {k: v for k, v in vars(args).items() if k not in ("device", "model")}
+    specs = {model: dataclasses.asdict(MODELS[model]) for model in args.models}
+    return {
+        "header": header,
+        "device": name,
+        "torch": torch.__version__,
+        "args": settings,
+        "models": specs,
+        "runs": raw,
+    }
+
+
+def _nan(value):
+    """_finite's inverse: null back to NaN."""
+    if isinstance(value, dict):
+        return {k: _nan(v) for k, v in value.items()}
+    return math.nan if value is None else value
+
+
+def _load(path: str) -> tuple[dict, argparse.Namespace]:
+    """A --json file: its record (null read back as NaN in the runs) and the arguments it ran with."""
+    record = json.loads(Path(path).read_text())
+    record["runs"] = [_nan(run) for run in record["runs"]]
+    return record, argparse.Namespace(**record["args"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    if args.tables_from:
+        record, measured_args = _load(args.tables_from)
+        text = _report(record, measured_args)
+    else:
+        record = _measure(args, argv)
+        text = _report(record, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(_finite(record), indent=1) + "\n")
     print(text)
     if args.markdown:
         with open(args.markdown, "a") as handle:
             handle.write(text + "\n")
-    if args.json:
-        run = {"command": header[2], "device": name, "torch": torch.__version__, "date": str(datetime.date.today())}
-        settings = {k: v for k, v in vars(args).items() if k not in ("device", "model")}
-        record = {**run, "args": settings, "models": {m: dataclasses.asdict(MODELS[m]) for m in args.models}}
-        Path(args.json).write_text(json.dumps(_finite({**record, "runs": raw}), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Checks:
   --markdown. Its figures are not timings and nothing here asserts on them;
 - repeats: every round runs every job once, rotated, odd rounds backwards, so that no job is
   always first or always behind the same neighbour; with --repeats 2 each row shows the median of
-  its two runs (as written to --json) and their min-max, and the spread line;
+  its two runs (as written to --json) and their min-max, and the spread line; --tables-from
+  prints the same text again from the --json file;
 - fresh state: a run whose engine outlives it raises, naming the row; one whose engine dies does not;
 - a job of 64 ranks, as 16 nodes x 4 and as 8 nodes x 8 (ib400), runs;
 - activation checkpointing (gpt_step.build_gpt): parameter names and gradients unchanged, each
@@ -228,7 +229,7 @@ def test_fresh_state_raises_when_an_engine_outlives_its_run():
                     watched.append(ref)
 
 
-def test_dry_run_with_repeats_prints_the_median_and_min_max_of_the_runs(tmp_path):
+def test_dry_run_with_repeats_prints_the_median_and_min_max_of_the_runs(tmp_path, capsys):
     out = tmp_path / "runs.json"
     presets = ["--presets", "baseline,sdp4bit", "--trainer-presets", "none", "--scenarios", "ib400"]
     result = _script("--dry-run", "--repeats", "2", *presets, "--json", str(out))
@@ -246,6 +247,10 @@ def test_dry_run_with_repeats_prints_the_median_and_min_max_of_the_runs(tmp_path
         assert cells[1] == f"{min(steps):.1f}-{max(steps):.1f}"
         assert re.fullmatch(r"\d+\.\d%", cells[2])
     assert "Each row: the median of 2 runs interleaved with the other rows'" in result.stdout
+    import emulated_network
+
+    emulated_network.main(["--tables-from", str(out)])  # the same text again, from the raw runs alone
+    assert capsys.readouterr().out == result.stdout
 
 
 @pytest.mark.parametrize(
