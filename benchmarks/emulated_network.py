@@ -1,58 +1,91 @@
 """How well the engine hides its communication, measured on ONE GPU over an emulated network.
 
-On the H200 (from the repository root; the whole --quick run takes about 4 minutes):
+On the H200 (from the repository root; the whole --quick run, one run per row, takes about 4 minutes):
 
     python3 -m pip install --no-deps --no-build-isolation -e .
     python3 benchmarks/emulated_network.py --quick --markdown emulated.md          # both models, every row
-    python3 benchmarks/emulated_network.py --model 356m --markdown emulated.md     # 10 timed steps per row
-    python3 benchmarks/emulated_network.py --model 1.3b --presets sdp4bit --scenarios eth100 \\
-        --trainer-presets none --profile trace.json                                # one row, with a trace
+    python3 benchmarks/emulated_network.py --model 356m --markdown emulated.md     # 3 x 10 timed steps per row
+    python3 benchmarks/emulated_network.py --model 356m,1.3b,6.7b --world 64 --ranks-per-node 4 \
+        --scenarios ib400,eth100 --json 16x4.json                                  # 16 nodes x 4, raw runs kept
+    python3 benchmarks/emulated_network.py --model 356m,1.3b,6.7b --world 64 --ranks-per-node 8 \
+        --scenarios ib400 --json 8x8.json                                          # 8 nodes x 8
+    python3 benchmarks/emulated_network.py --tables-from 8x8.json                  # its tables again
+    python3 benchmarks/emulated_network.py --model 1.3b --presets sdp4bit --scenarios eth100 \
+        --trainer-presets none --repeats 1 --profile trace.json                    # one row, with a trace
     python3 benchmarks/emulated_network.py --link-gbps 200 --scenarios custom      # 200 Gb/s per GPU
-    python3 benchmarks/emulated_network.py --dry-run                               # CPU, tiny GPT: no timings
+    python3 benchmarks/emulated_network.py --dry-run [--model tiny-ckpt]           # CPU, tiny GPT: no timings
 
 One GPU plays rank 0 of --world ranks, --ranks-per-node per node (benchmarks/emulation.py: every
 collective becomes a loopback copy on one CUDA stream per link, then a %globaltimer wait for
-bytes / bandwidth). Scenarios (bandwidth per GPU, GB/s = 1e9 bytes/s):
+bytes / bandwidth). Models: 356m, 1.3b, 6.7b (32 x 4096, 32 heads, batch 2 x 2048 tokens, with
+activation checkpointing), tiny and tiny-ckpt (the dry run's). Scenarios (bandwidth per GPU,
+GB/s = 1e9 bytes/s):
 - nvlink: one node of --world GPUs, NVLink --nvlink-gbs (150 GB/s);
 - ib400: 400 Gb/s InfiniBand per GPU (50 GB/s) across nodes, NVLink inside;
 - eth100: 100 Gb/s per node, shared by its --ranks-per-node GPUs (3.125 GB/s each with 4);
 - custom: --link-gbps Gb/s per GPU across nodes.
-Rows: plain (the same model and optimizer without any strategy: the floor), measured first and
-again after every other row (the GPU's clocks drift over a run by a few percent); DDP computed from
+Rows: plain (the same model and optimizer without any strategy: the floor); DDP computed from
 the plain step and a bf16 ring all-reduce of every gradient, 2(W-1)/W * 2 bytes * params at the
 world link's rate, perfectly overlapped (max) or not (sum); the engine (lightning_sdp4bit.engine)
 driven directly per preset, and qw+ulq (ZeRO++-like: qW weights, ULq 4-bit gradients); and
 "Trainer + preset": Lightning's Trainer with a SDP4BitStrategy that believes it is rank 0 of W
-(EmulatedStrategy below: one process, no launcher, a real one-rank process group), so that
-the adapter and Lightning's own collectives (the per-batch SIGTERM broadcast) count too.
-Columns: the step (--steps timed back to back, no synchronize between them, so all-gathers a
-step leaves in flight are charged to the next); the compute-only step (the same run with no
-wait); the busy time of each lane; step / max(compute-only, busiest link); speed against the
-engine's baseline and the overlapped DDP (>1 is faster); peak memory since the phase began.
+(EmulatedStrategy in emulated_runs.py: one process, no launcher, a real one-rank process group),
+so that the adapter and Lightning's own collectives (the per-batch SIGTERM broadcast) count too.
+Repeats: the GPU's clocks drift over a run by a few percent, as much as the differences the
+targets ask about. So every job (the plain row, and each row on each topology) runs --repeats
+times (default 3), in rounds that run every job once, each round rotated by one more job and
+odd rounds backwards (`interleave`), each run from a fresh state (emulated_runs.fresh_state: no
+model, engine or strategy of an earlier run alive, the allocator back where it was and emptied).
+Columns: the median step (--steps timed back to back, no synchronize between them, so all-gathers
+a step leaves in flight are charged to the next), its min-max over the repeats and the spread
+(max - min) / median, rows above 3% listed under the table; the compute-only step (the same run
+with no wait); the busy time of each lane; step / max(compute-only, busiest link); speed against
+the engine's baseline and the overlapped DDP (>1 is faster), all from medians; peak memory since
+the phase began. --json writes every run's raw results (round, position, row, topology, phases)
+with the arguments and the header; --tables-from JSON prints the same tables again from them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
+import math
 import re
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
-from emulated_runs import ENGINE_ROWS, MODELS, SCENARIOS, SETTLE, run_engine, run_plain, run_trainer, scenario_phase
+from emulated_runs import (
+    DRY_RUN_MODELS,
+    ENGINE_ROWS,
+    MODELS,
+    SCENARIOS,
+    SETTLE,
+    fresh_state,
+    run_engine,
+    run_plain,
+    run_trainer,
+    scenario_phase,
+)
 from emulated_tables import scenario_table
 from emulation import LIGHTNING_LANES, spin_accuracy
 from phase_timer import Phase
 
 from lightning_sdp4bit.topology import Topology
 
+T = TypeVar("T")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="comma list of 356m, 1.3b, tiny (default: 356m,1.3b)")
+    models = f"comma list of {', '.join(MODELS)} (default: 356m,1.3b; the dry run: tiny)"
+    parser.add_argument("--model", default=None, help=models)
     parser.add_argument("--world", type=int, default=8, help="ranks of the emulated job (default 8)")
     parser.add_argument("--ranks-per-node", type=int, default=4, help="GPUs per node across nodes (default 4)")
     parser.add_argument("--presets", default=",".join(ENGINE_ROWS), help="engine rows, comma list")
@@ -66,17 +99,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lightning-lane", choices=LIGHTNING_LANES, default="own", help=lanes)
     parser.add_argument("--bucket-numel", type=int, default=None, help="override SDP4BitConfig.bucket_numel")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 10; --quick 3)")
+    repeats = "runs of every row, interleaved, each from a fresh state (default 3; --quick and --dry-run 1)"
+    parser.add_argument("--repeats", type=int, default=None, help=repeats)
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="few steps: every row of both models in ~4 min")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny GPT, one step: checks the script only")
     parser.add_argument("--markdown", default=None, help="also append the tables to this file")
+    parser.add_argument("--json", default=None, help="also write every run's raw results (each repeat) to this file")
+    again = "print the tables of a --json file again (its own arguments; nothing measured, other flags ignored)"
+    parser.add_argument("--tables-from", default=None, metavar="JSON", help=again)
     parser.add_argument(
         "--profile", default=None, help="write a torch profiler trace per run: PATH.json -> PATH_<run>.json"
     )
     args = parser.parse_args(argv)
+    if args.tables_from:
+        if not Path(args.tables_from).is_file():
+            parser.error(f"--tables-from: no file {args.tables_from}")
+        return args
     few = args.quick or args.dry_run
     args.steps = args.steps if args.steps is not None else 1 if args.dry_run else 3 if few else 10
     args.warmup = args.warmup if args.warmup is not None else 0 if args.dry_run else 2 if few else 3
+    args.repeats = args.repeats if args.repeats is not None else 1 if few else 3
     args.settle = 0 if args.dry_run else SETTLE
     args.device = torch.device("cpu" if args.dry_run else "cuda")
     args.model = args.model or ("tiny" if args.dry_run else "356m,1.3b")
@@ -95,16 +138,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--ranks-per-node={args.ranks_per_node} must divide --world={args.world}")
     if args.ranks_per_node == args.world and set(args.scenarios) - {"nvlink"}:
         parser.error(f"--ranks-per-node={args.world} is one node: the scenarios across nodes need more nodes")
-    if args.steps < 1 or args.warmup < 0 or not args.nvlink_gbs > 0:
-        parser.error("--steps must be >= 1, --warmup >= 0 and --nvlink-gbs > 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or not args.nvlink_gbs > 0:
+        parser.error("--steps and --repeats must be >= 1, --warmup >= 0 and --nvlink-gbs > 0")
     if args.bucket_numel is not None and args.bucket_numel < 1:
         parser.error(f"--bucket-numel must be positive, got {args.bucket_numel}")
-    if args.dry_run and args.models != ["tiny"]:
-        parser.error("--dry-run runs the tiny model on the CPU; leave out --model")
+    if args.dry_run and set(args.models) - set(DRY_RUN_MODELS):
+        parser.error(f"--dry-run runs a tiny model on the CPU: {' or '.join(DRY_RUN_MODELS)}, not {args.model}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: this measures a GPU. Use --dry-run for a CPU check of the script (no timings)")
-    if args.profile and not Path(args.profile).resolve().parent.is_dir():
-        parser.error(f"--profile: the folder of {args.profile} does not exist")
+    for flag, path in (("--profile", args.profile), ("--json", args.json), ("--markdown", args.markdown)):
+        if path and not Path(path).resolve().parent.is_dir():
+            parser.error(f"{flag}: the folder of {path} does not exist")
     return args
 
 
@@ -120,58 +164,117 @@ def _trace_path(args, *parts: str) -> str | None:
     if not args.profile:
         return None
     path = Path(args.profile)
-    return str(path.with_name(f"{path.stem}_{'_'.join(re.sub(r'[^A-Za-z0-9.]+', '-', p) for p in parts)}.json"))
+    name = "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", p) for p in parts if p)
+    return str(path.with_name(f"{path.stem}_{name}.json"))
 
 
-def measure_model(model: str, args, device: torch.device) -> list[str]:
-    """Every row of one model; returns one Markdown table per scenario."""
-    spec = MODELS[model]
-    print(f"{model}: plain step", file=sys.stderr)
-    plain = run_plain(spec, args, device, _trace_path(args, model, "plain"))
-    topologies = {
+def interleave(jobs: Sequence[T], repeats: int) -> list[list[T]]:
+    """The order of `repeats` rounds, each of which runs every job once.
+
+    Round r runs the jobs rotated by r, so that no job always runs first (or at the same point of
+    a drift); odd rounds run backwards, so that no job always follows the same one (rotation alone
+    leaves every job but the first few behind the same neighbour in every round).
+    """
+    rounds = []
+    for r in range(repeats):
+        order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
+        shift = r % len(order)
+        rounds.append(order[shift:] + order[:shift])
+    return rounds
+
+
+def _topologies(args) -> dict[str, tuple[Topology, list[Phase]]]:
+    """The topologies a model is run on: one node (the nvlink scenario), and the nodes (the others)."""
+    scenarios = {
         "one node": [s for s in args.scenarios if s == "nvlink"],
         "nodes": [s for s in args.scenarios if s != "nvlink"],
     }
-    measured = []
-    for key, scenarios in topologies.items():
-        if not scenarios:
-            continue
-        ranks_per_node = args.world if key == "one node" else args.ranks_per_node
-        topology = Topology(rank=0, world_size=args.world, ranks_per_node=ranks_per_node)
-        phases = [Phase("compute")] + [scenario_phase(s, args) for s in scenarios]
-        runs: dict[str, dict] = {}
-        jobs = [(row, run_engine, row) for row in args.presets]
-        jobs += [(f"Trainer + {p}", run_trainer, p) for p in args.trainer_presets]
-        for row, run, preset in jobs:
-            print(f"{model}: {row}, {key} ({', '.join(scenarios)})", file=sys.stderr)
-            trace = _trace_path(args, model, row, scenarios[-1])
-            runs[row] = run(spec, preset, topology, phases, args, device, trace)
-        measured.append((phases, runs))
-    # Again at the end: the GPU's clocks drift over a run by as much as the differences measured.
-    print(f"{model}: plain step, again", file=sys.stderr)
-    plain_last = run_plain(spec, args, device, None)
+    topologies = {}
+    for key, names in scenarios.items():
+        if names:
+            ranks_per_node = args.world if key == "one node" else args.ranks_per_node
+            topology = Topology(rank=0, world_size=args.world, ranks_per_node=ranks_per_node)
+            topologies[key] = (topology, [Phase("compute")] + [scenario_phase(name, args) for name in names])
+    return topologies
+
+
+def measure_model(model: str, args, device: torch.device) -> list[dict]:
+    """Every row of one model, `args.repeats` times, interleaved (see `interleave`), each from a
+    fresh state; returns every run's raw results, with its round, position, row and topology."""
+    spec, topologies = MODELS[model], _topologies(args)
+    rows = {row: (run_engine, row) for row in args.presets}
+    rows |= {f"Trainer + {preset}": (run_trainer, preset) for preset in args.trainer_presets}
+    jobs = [("plain", "")] + [(row, key) for key in topologies for row in rows]
+    raw = []
+    for r, order in enumerate(interleave(jobs, args.repeats)):
+        for position, (row, key) in enumerate(order):
+            where = f", {key}" if key else ""
+            print(f"{model}, round {r + 1}/{args.repeats}: {row}{where}", file=sys.stderr)
+            trace = _trace_path(args, model, row, key) if r == 0 else None  # one trace per row
+            with fresh_state(f"{model}, round {r + 1}: {row}{where}", device) as watched:
+                if row == "plain":
+                    result = run_plain(spec, args, device, trace, watched)
+                else:
+                    run, preset = rows[row]
+                    topology, phases = topologies[key]
+                    result = run(spec, preset, topology, phases, args, device, trace, watched)
+            raw.append({"model": model, "round": r, "position": position, "row": row, "topology": key, **result})
+    return raw
+
+
+def tabulate(model: str, raw: list[dict], args) -> list[str]:
+    """One Markdown table per scenario of `model`, from the raw runs (measure_model's or a --json file's)."""
+
+    def repeats(row: str, key: str) -> list[dict]:
+        return sorted((r for r in raw if (r["model"], r["row"], r["topology"]) == (model, row, key)), key=_round)
+
+    rows = list(args.presets) + [f"Trainer + {preset}" for preset in args.trainer_presets]
     tables = []
-    for phases, runs in measured:
-        tables += [scenario_table(model, p, plain, runs, args, plain_last) for p in phases[1:]]
+    for key, (_, phases) in _topologies(args).items():
+        by_row = {row: repeats(row, key) for row in rows}
+        tables += [scenario_table(model, phase, repeats("plain", ""), by_row, args) for phase in phases[1:]]
     return tables
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def _round(run: dict) -> int:
+    return run["round"]
+
+
+def _finite(value):
+    """JSON without NaN: the CPU's peak memory is written as null (and read back as NaN)."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _report(record: dict, args) -> str:
+    """The header and every table: what the script prints, from a record (as --json writes it)."""
+    tables = [table for model in record["models"] for table in tabulate(model, record["runs"], args)]
+    return "\n".join(record["header"] + tables)
+
+
+def _measure(args, argv: list[str] | None) -> dict:
+    """Every model's runs, and the header that describes them."""
     device = args.device
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
     started = time.perf_counter()
     if not args.dry_run:
         accuracy = spin_accuracy()
         if not 0.98 < accuracy < 1.05:
             raise SystemExit(f"error: the %globaltimer wait took {accuracy:.3f}x the time asked: the emulation is off")
-    tables = [table for model in args.models for table in measure_model(model, args, device)]
+    raw = [run for model in args.models for run in measure_model(model, args, device)]
     name = "CPU" if args.dry_run else torch.cuda.get_device_name()
+    ckpt = [model for model in args.models if MODELS[model].checkpoint]
+    checkpointed = f" ({', '.join(ckpt)} with activation checkpointing)" if ckpt else ""
     header = [
         f"### Emulated network on {name}, {datetime.date.today()}",
         "",
         f"`python benchmarks/emulated_network.py {' '.join(sys.argv[1:] if argv is None else argv)}`: rank 0 of "
-        f"{args.world} ranks, {args.steps} timed steps per row after {args.warmup} + {args.settle} untimed, bf16 GPT, "
+        f"{args.world} ranks, {args.repeats} x {args.steps} timed steps per row after {args.warmup} + {args.settle} "
+        f"untimed, bf16 GPT{checkpointed}, "
         f"fused AdamW, clip 1.0; Lightning's collectives on the {args.lightning_lane} lane; torch {torch.__version__}; "
         f"{time.perf_counter() - started:.0f} s in all."
         + ("" if args.dry_run else f" A 20 ms wait of the emulation measured {spin_accuracy():.3f}x."),
@@ -179,7 +282,43 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if args.dry_run:
         header += ["**Dry run on the CPU: a check of the script, not a measurement. No figure here is a timing.**", ""]
-    text = "\n".join(header + tables)
+    settings = {k: v for k, v in vars(args).items() if k not in ("device", "model")}
+    specs = {model: dataclasses.asdict(MODELS[model]) for model in args.models}
+    return {
+        "header": header,
+        "device": name,
+        "torch": torch.__version__,
+        "args": settings,
+        "models": specs,
+        "runs": raw,
+    }
+
+
+def _nan(value):
+    """_finite's inverse: null back to NaN."""
+    if isinstance(value, dict):
+        return {k: _nan(v) for k, v in value.items()}
+    return math.nan if value is None else value
+
+
+def _load(path: str) -> tuple[dict, argparse.Namespace]:
+    """A --json file: its record (null read back as NaN in the runs) and the arguments it ran with."""
+    record = json.loads(Path(path).read_text())
+    record["runs"] = [_nan(run) for run in record["runs"]]
+    return record, argparse.Namespace(**record["args"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    if args.tables_from:
+        record, measured_args = _load(args.tables_from)
+        text = _report(record, measured_args)
+    else:
+        record = _measure(args, argv)
+        text = _report(record, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(_finite(record), indent=1) + "\n")
     print(text)
     if args.markdown:
         with open(args.markdown, "a") as handle:

@@ -1,16 +1,20 @@
 """One run of the emulated-network benchmark: a model, a row (plain, the engine with a preset, or
 Lightning's Trainer with SDP4BitStrategy) and its phases, timed by phase_timer.PhaseTimer.
 
-Every run builds its model, optimizer and engine, and leaves nothing behind it: `_free()` empties
-the allocator, so a row measured after another starts from the same state as the first.
+Every run builds its model, optimizer and engine, and leaves nothing behind it: the caller runs it
+inside `fresh_state()`, which checks that, and empties the allocator, so a row measured after
+another starts from the same state as the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
+import weakref
+from collections.abc import Iterator
 
 import lightning as L
 import torch
@@ -32,9 +36,10 @@ class ModelSpec:
     seq: int
     n_head: int = 16
     vocab: int = VOCAB
+    checkpoint: bool = False  # recompute each block's activations in the backward (gpt_step.build_gpt)
 
     def build(self, device: torch.device):
-        return build_gpt(self.n_layer, self.n_head, self.n_embd, self.seq, device, self.vocab)
+        return build_gpt(self.n_layer, self.n_head, self.n_embd, self.seq, device, self.vocab, self.checkpoint)
 
     def tokens(self, device: torch.device) -> torch.Tensor:
         return random_tokens(self.batch, self.seq, device, self.vocab)
@@ -43,8 +48,16 @@ class ModelSpec:
 MODELS = {
     "356m": ModelSpec(24, 1024, batch=8, seq=2048),
     "1.3b": ModelSpec(24, 2048, batch=4, seq=2048),
+    # 6.7B: bf16 weights and gradients take 27 GB, the plain step's bf16 AdamW state 27 GB more.
+    # The activations of 2 x 2048 tokens would add about 17 GB (an estimate: ~32 bytes x width per
+    # token and layer); checkpointed, as 6.7B jobs usually run, about 1 GB of block inputs and one
+    # block's at a time. The recomputation (~1/3 more compute) also gives communication more time
+    # to hide behind: compare 6.7B's rows with each other, not with the smaller models'.
+    "6.7b": ModelSpec(32, 4096, batch=2, seq=2048, n_head=32, checkpoint=True),
     "tiny": ModelSpec(2, 64, batch=2, seq=32, n_head=4, vocab=512),  # the dry run's: ~0.1M parameters
+    "tiny-ckpt": ModelSpec(2, 64, batch=2, seq=32, n_head=4, vocab=512, checkpoint=True),
 }
+DRY_RUN_MODELS = ("tiny", "tiny-ckpt")
 ENGINE_ROWS = ("baseline", "qwd", "tlq_hs", "sdp4bit", "qw+ulq")
 SCENARIOS = ("nvlink", "ib400", "eth100", "custom")
 SETTLE = 1  # untimed steps after a rate change: they carry the previous phase's in-flight all-gathers
@@ -63,14 +76,47 @@ def row_config(row: str, ranks_per_node: int, bucket_numel: int | None) -> SDP4B
     return SDP4BitConfig.preset(row, ranks_per_node=ranks_per_node, **extra)
 
 
-def _free() -> None:
+@contextlib.contextmanager
+def fresh_state(row: str, device: torch.device) -> Iterator[list[weakref.ref]]:
+    """Run one job inside: `with fresh_state(row, device) as watched: run(..., watched)`.
+
+    The run appends weak references to what must die with it (model, engine, strategy). After
+    the run, with its frame gone: RuntimeError naming `row` if any of them is still alive, or if
+    the GPU holds more allocated memory than before the run; then the allocator is emptied and its
+    peak reset, so that the next run starts as the first did. An exception inside skips the check.
+    """
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        _clear_cublas_workspaces()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    watched: list[weakref.ref] = []
+    yield watched
     gc.collect()
-    if torch.cuda.is_available():
+    alive = sorted({type(obj).__name__ for obj in (ref() for ref in watched) if obj is not None})
+    if alive:
+        raise RuntimeError(f"{row}: its {', '.join(alive)} outlived the run (something still refers to it)")
+    if cuda:
+        torch.cuda.synchronize()
+        _clear_cublas_workspaces()
+        after = torch.cuda.memory_allocated()
+        if after != before:
+            raise RuntimeError(f"{row}: {after - before} bytes still allocated after the run ({before} before it)")
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
-def run_plain(spec: ModelSpec, args, device, profile: str | None) -> dict:
+def _clear_cublas_workspaces() -> None:
+    # cuBLAS keeps a workspace per (handle, stream) in the caching allocator for the process's
+    # life: not the run's memory, but memory_allocated() counts it.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def run_plain(spec: ModelSpec, args, device, profile: str | None, watched: list) -> dict:
     model = spec.build(device)
+    watched.append(weakref.ref(model))
     optimizer, tokens = make_optimizer(model.parameters(), device), spec.tokens(device)
     timer = PhaseTimer(None, [Phase("compute")], args, profile)
     for _ in range(timer.total_steps):
@@ -78,17 +124,16 @@ def run_plain(spec: ModelSpec, args, device, profile: str | None) -> dict:
         timer.after_step()
     result = timer.results()["compute"]
     result["params"] = sum(p.numel() for p in model.parameters())
-    del model, optimizer
-    _free()
     return result
 
 
-def run_engine(spec: ModelSpec, row: str, topology: Topology, phases, args, device, profile) -> dict:
+def run_engine(spec: ModelSpec, row: str, topology: Topology, phases, args, device, profile, watched: list) -> dict:
     network = Network(device, topology, args.lightning_lane)
     with network.install():
         model = spec.build(device)
         config = row_config(row, topology.ranks_per_node, args.bucket_numel)
         engine = ShardedEngine(model, config, topology, network.groups())
+        watched += [weakref.ref(model), weakref.ref(engine)]
         optimizer = make_optimizer(model.parameters(), device)
         engine.shard_optimizer(optimizer)
         tokens = spec.tokens(device)
@@ -98,8 +143,6 @@ def run_engine(spec: ModelSpec, row: str, topology: Topology, phases, args, devi
             timer.after_step()
         results = timer.results()
         engine.close()
-    del model, engine, optimizer
-    _free()
     return results
 
 
@@ -167,7 +210,7 @@ class _AfterStep(L.Callback):
         self.timer.after_step()
 
 
-def run_trainer(spec: ModelSpec, preset: str, topology: Topology, phases, args, device, profile) -> dict:
+def run_trainer(spec: ModelSpec, preset: str, topology: Topology, phases, args, device, profile, watched: list) -> dict:
     network = Network(device, topology, args.lightning_lane)
     timer = PhaseTimer(network, phases, args, profile)
     strategy = EmulatedStrategy(row_config(preset, topology.ranks_per_node, args.bucket_numel), topology.world_size)
@@ -196,7 +239,5 @@ def run_trainer(spec: ModelSpec, preset: str, topology: Topology, phases, args, 
     module = _GPTModule(spec, device)
     with network.install():
         trainer.fit(module, data)
-    results = timer.results()
-    del trainer, module, strategy
-    _free()
-    return results
+    watched += [weakref.ref(module), weakref.ref(strategy), weakref.ref(strategy.engine)]
+    return timer.results()

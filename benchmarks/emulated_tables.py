@@ -1,77 +1,113 @@
 """The emulated-network benchmark's Markdown tables: one per model and scenario.
 
-Columns: the step; the compute-only step (the same run with no wait); the busy time of each lane;
-step / max(compute-only, busiest link); speed against the engine's baseline and the overlapped
-DDP (>1 is faster); peak memory since the phase began. The DDP rows are computed, not measured:
-the plain step and a bf16 all-reduce of every gradient at the link's rate.
+Every measured row was run `--repeats` times, interleaved with the other rows; a table shows the
+median step, its min-max and its spread ((max - min) / median), and lists the rows whose spread
+is above SPREAD_LIMIT. Columns: the step; the compute-only step (the same run with no wait); the
+busy time of each lane; step / max(compute-only, busiest link); speed against the engine's
+baseline and the overlapped DDP (>1 is faster); peak memory since the phase began. Every derived
+column is computed from medians. The DDP rows are computed, not measured: the plain step and a
+bf16 all-reduce of every gradient at the link's rate.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 
 from phase_timer import Phase
+
+SPREAD_LIMIT = 0.03  # the targets ask about differences of ~3%: a row that moves more cannot show them
+LANES = ("intra", "inter", "world", "nvlink", "nic")
 
 
 def _fmt(value: float, digits: int = 1) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
-def scenario_table(model: str, scenario: Phase, plain: dict, runs: dict[str, dict], args, plain_last: dict) -> str:
-    """`runs`: row -> {"compute": result, scenario.name: result} for the scenario's topology;
-    `plain_last`: the plain step measured again after every row (the run's drift)."""
+def spread(steps: list[float]) -> float:
+    """(max - min) / median of one row's steps: 0 for one run."""
+    return (max(steps) - min(steps)) / statistics.median(steps)
+
+
+def _summary(name: str, repeats: list[dict], compute: list[dict]) -> dict:
+    """One measured row from its repeats: `repeats` the scenario's results, `compute` the
+    compute-only phase's (the same for the plain row)."""
+    return {
+        "name": name,
+        "steps": [r["step_ms"] for r in repeats],
+        "compute": statistics.median(r["step_ms"] for r in compute),
+        "busy": {k: statistics.median(r["busy_ms"].get(k, 0.0) for r in repeats) for k in LANES},
+        "peak": max(r["peak_gib"] for r in repeats),
+    }
+
+
+def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]], args) -> str:
+    """`plain`: the plain row's repeats; `runs`: row -> its repeats, each {"compute": result,
+    scenario.name: result}, for the scenario's topology."""
     world, one_node = args.world, scenario.name == "nvlink"
     world_gbs = scenario.nvlink_gbs if one_node else scenario.nic_gbs
-    ddp_comm = 2 * (world - 1) / world * 2 * plain["params"] / world_gbs / 1e6  # ms
-    ddp_ideal = max(plain["step_ms"], ddp_comm)
-    baseline = runs.get("baseline", {}).get(scenario.name, {}).get("step_ms", math.nan)
-    zero = {"intra": 0.0, "inter": 0.0, "world": 0.0, "nvlink": 0.0, "nic": 0.0}
-    rows = [
-        ("plain (no strategy)", plain["step_ms"], plain["step_ms"], zero, plain["peak_gib"]),
-        ("plain, again after every row", plain_last["step_ms"], plain_last["step_ms"], zero, plain_last["peak_gib"]),
-        ("DDP, overlapped", ddp_ideal, plain["step_ms"], {**zero, "world": ddp_comm}, math.nan),
-        ("DDP, not overlapped", plain["step_ms"] + ddp_comm, plain["step_ms"], {**zero, "world": ddp_comm}, math.nan),
+    params = plain[0]["params"]
+    plain_ms = statistics.median(p["step_ms"] for p in plain)
+    ddp_comm = 2 * (world - 1) / world * 2 * params / world_gbs / 1e6  # ms
+    ddp_ideal = max(plain_ms, ddp_comm)
+    zero = dict.fromkeys(LANES, 0.0)
+    rows = [_summary("plain (no strategy)", plain, plain)]
+    computed = [
+        ("DDP, overlapped", ddp_ideal, {**zero, "world": ddp_comm}),
+        ("DDP, not overlapped", plain_ms + ddp_comm, {**zero, "world": ddp_comm}),
     ]
-    hierarchical = None if one_node else _hierarchical_ddp(scenario, plain, args)
+    hierarchical = None if one_node else _hierarchical_ddp(scenario, params, args)
     if hierarchical is not None:
         busy = {**zero, "intra": hierarchical[0], "inter": hierarchical[1]}
-        step = max(plain["step_ms"], *hierarchical)
-        rows.append(("DDP, two-level all-reduce, overlapped", step, plain["step_ms"], busy, math.nan))
+        computed.append(("DDP, two-level all-reduce, overlapped", max(plain_ms, *hierarchical), busy))
+    rows += [{"name": n, "steps": [step], "compute": plain_ms, "busy": b, "peak": math.nan} for n, step, b in computed]
     notes = []
-    for row, result in runs.items():
-        measured = result[scenario.name]
-        rows.append((row, measured["step_ms"], result["compute"]["step_ms"], measured["busy_ms"], measured["peak_gib"]))
+    for row, repeats in runs.items():
+        rows.append(_summary(row, [r[scenario.name] for r in repeats], [r["compute"] for r in repeats]))
         if row.startswith("Trainer"):
-            notes.append(f"{row}: {measured['lightning_ops']:.1f} Lightning collectives per step")
+            ops = statistics.median(r[scenario.name]["lightning_ops"] for r in repeats)
+            notes.append(f"{row}: {ops:.1f} Lightning collectives per step")
+    baseline = next((statistics.median(r["steps"]) for r in rows if r["name"] == "baseline"), math.nan)
     lines = [
         f"#### {model}, {scenario.name}: {_describe(scenario, args)}",
         "",
-        "| row | step (ms) | compute-only (ms) | busy intra / inter / world (ms) | step / max(compute, link) "
-        "| x baseline | x ideal DDP | peak (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | step (ms) | min-max (ms) | spread | compute-only (ms) | busy intra / inter / world (ms) "
+        "| step / max(compute, link) | x baseline | x ideal DDP | peak (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, step, compute, busy, peak in rows:
-        link = (
-            max(busy["world"], busy["intra"], busy["inter"])
-            if name.startswith("DDP")
-            else max(busy["nvlink"], busy["nic"])
-        )
+    for row in rows:
+        name, busy, step = row["name"], row["busy"], statistics.median(row["steps"])
+        ddp = name.startswith("DDP")
+        link = max(busy["world"], busy["intra"], busy["inter"]) if ddp else max(busy["nvlink"], busy["nic"])
         lanes = " / ".join(_fmt(busy[k]) for k in ("intra", "inter", "world"))
+        low_high = "-" if ddp else f"{_fmt(min(row['steps']))}-{_fmt(max(row['steps']))}"
+        spread_pct = "-" if ddp else f"{100 * spread(row['steps']):.1f}%"
         lines.append(
-            f"| {name} | {_fmt(step)} | {_fmt(compute)} | {lanes} | {_fmt(step / max(compute, link), 2)} "
-            f"| {_fmt(baseline / step, 2)} | {_fmt(ddp_ideal / step, 2)} | {_fmt(peak, 2)} |"
+            f"| {name} | {_fmt(step)} | {low_high} | {spread_pct} | {_fmt(row['compute'])} | {lanes} "
+            f"| {_fmt(step / max(row['compute'], link), 2)} | {_fmt(baseline / step, 2)} "
+            f"| {_fmt(ddp_ideal / step, 2)} | {_fmt(row['peak'], 2)} |"
         )
     lines += [
         "",
-        f"DDP: {plain['params'] / 1e6:.0f}M bf16 gradients all-reduced, {ddp_comm:.1f} ms at {world_gbs:g} GB/s. "
+        f"DDP: {params / 1e6:.0f}M bf16 gradients all-reduced, {ddp_comm:.1f} ms at {world_gbs:g} GB/s. "
         "The link bound charges the world lane to the link it crosses (NVLink on one node, else the NIC).",
-        f"The plain step took {plain['step_ms']:.1f} ms before the other rows and {plain_last['step_ms']:.1f} ms "
-        "after them: rows closer than that drift are even.",
+        _spread_note([r for r in rows if not r["name"].startswith("DDP")], len(plain)),
         *([] if hierarchical is None else [_HIERARCHICAL_NOTE]),
         *notes,
         "",
     ]
     return "\n".join(lines)
+
+
+def _spread_note(rows: list[dict], repeats: int) -> str:
+    if repeats < 2:
+        return "One run per row (--repeats 1): no spread measured, and rows a few percent apart may be even."
+    wide = [f"{r['name']} ({100 * spread(r['steps']):.1f}%)" for r in rows if spread(r["steps"]) > SPREAD_LIMIT]
+    head = (
+        f"Each row: the median of {repeats} runs interleaved with the other rows' (every derived column from "
+        f"medians). Spread above {100 * SPREAD_LIMIT:g}%: "
+    )
+    return head + ("; ".join(wide) + ": differences smaller than their spread are noise." if wide else "none.")
 
 
 _HIERARCHICAL_NOTE = (
@@ -82,10 +118,10 @@ _HIERARCHICAL_NOTE = (
 )
 
 
-def _hierarchical_ddp(scenario: Phase, plain: dict, args) -> tuple[float, float]:
+def _hierarchical_ddp(scenario: Phase, params: int, args) -> tuple[float, float]:
     """(NVLink ms, NIC ms) of a two-level bf16 all-reduce of every gradient, per GPU."""
     local, nodes = args.ranks_per_node, args.world // args.ranks_per_node
-    nbytes = 2 * plain["params"]
+    nbytes = 2 * params
     intra = 2 * (local - 1) / local * nbytes / scenario.nvlink_gbs / 1e6
     inter = 2 * (nodes - 1) / nodes * nbytes / local / scenario.nic_gbs / 1e6
     return intra, inter

@@ -13,13 +13,27 @@ Checks:
 - the dry run (tiny GPT, CPU) prints a table per scenario, with every row, Lightning's
   per-batch broadcast routed through the emulated world link, and writes the same text to
   --markdown. Its figures are not timings and nothing here asserts on them;
+- repeats: every round runs every job once, rotated, odd rounds backwards, so that no job is
+  always first or always behind the same neighbour; with --repeats 2 each row shows the median of
+  its two runs (as written to --json) and their min-max, and the spread line; --tables-from
+  prints the same text again from the --json file;
+- fresh state: a run whose engine outlives it raises, naming the row; one whose engine dies does not;
+- a job of 64 ranks, as 16 nodes x 4 and as 8 nodes x 8 (ib400), runs;
+- activation checkpointing (gpt_step.build_gpt): parameter names and gradients unchanged, each
+  block's modules run forward twice; the engine trains a checkpointed GPT to the same weights,
+  bit for bit, its weight-wait hooks firing again during the recomputation; the dry run of
+  tiny-ckpt runs;
 - on a GPU, the middle stage of two-level exchanges queued on the engine's exchange stream gives
   the host-driven exchange's gradient shards bit for bit, with several exchanges in flight, and
   the second stage of two-level weight all-gathers (qWD and plain) the host-driven weights.
 """
 
+import json
+import re
+import statistics
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -128,7 +142,8 @@ def _script(*args):
         (["--world", "6"], "--ranks-per-node=4 must divide --world=6"),
         (["--scenarios", "custom"], "the custom scenario needs --link-gbps"),
         (["--presets", "sdp4bit,fast"], "--presets: fast not among"),
-        (["--model", "356m"], "--dry-run runs the tiny model on the CPU"),
+        (["--model", "356m"], "--dry-run runs a tiny model on the CPU: tiny or tiny-ckpt, not 356m"),
+        (["--repeats", "0"], "--steps and --repeats must be >= 1"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message, capsys):
@@ -151,7 +166,6 @@ def test_dry_run_prints_every_table(tmp_path):
         rows = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines() if line.startswith("| ")][1:]
         assert rows == [
             "plain (no strategy)",
-            "plain, again after every row",
             "DDP, overlapped",
             "DDP, not overlapped",
             "DDP, two-level all-reduce, overlapped",
@@ -162,6 +176,151 @@ def test_dry_run_prints_every_table(tmp_path):
         assert "nan" not in table and "inf" not in table
         assert "Trainer + sdp4bit: 1.0 Lightning collectives per step" in table  # the SIGTERM broadcast
     assert out.read_text() == text
+
+
+def _table_rows(text: str, title: str) -> dict[str, list[str]]:
+    """Row name -> its cells, of the table under `#### title`."""
+    table = text.split(f"#### {title}")[1].split("####")[0]
+    cells = [[c.strip() for c in line.strip("| ").split(" | ")] for line in table.splitlines() if line.startswith("| ")]
+    return {row[0]: row[1:] for row in cells[1:]}
+
+
+@pytest.mark.parametrize("count", [3, 8])
+def test_interleave_rotates_every_round_and_runs_odd_rounds_backwards(count):
+    import emulated_network
+
+    jobs = [f"job{i}" for i in range(count)]
+    assert emulated_network.interleave(jobs, 1) == [jobs]
+    rounds = emulated_network.interleave(jobs, 3)
+    assert rounds[0] == jobs
+    assert rounds[1] == [jobs[i % count] for i in range(count - 2, -2, -1)]  # backwards, rotated by 1
+    assert rounds[2] == jobs[2:] + jobs[:2]
+    assert all(sorted(order) == sorted(jobs) for order in rounds)  # every job once a round
+    assert len({order[0] for order in rounds}) == 3  # no job always first
+    sequence = [job for order in rounds for job in order]
+    for job in jobs:
+        before = {sequence[i - 1] for i, other in enumerate(sequence) if other == job and i > 0}
+        assert len(before) >= 2, f"{job} always runs after {before}"
+
+
+def test_fresh_state_raises_when_an_engine_outlives_its_run():
+    from emulated_runs import fresh_state
+
+    from lightning_sdp4bit.engine import ShardedEngine
+
+    topology = Topology(0, 8, 4)
+    network, kept = Network(CPU, topology, "own"), []
+    for keep in (False, True):
+        with network.install():
+            model = torch.nn.Linear(64, 64)
+            engine = ShardedEngine(model, SDP4BitConfig.preset("sdp4bit", ranks_per_node=4), topology, network.groups())
+            engine.close()
+        if keep:
+            kept.append(engine)  # as a leaked reference would: a global, a cycle through a hook, ...
+        ref = weakref.ref(engine)
+        del model, engine
+        if not keep:
+            with fresh_state("tiny: sdp4bit", CPU) as watched:
+                watched.append(ref)
+            assert ref() is None
+        else:
+            with pytest.raises(RuntimeError, match="tiny: sdp4bit: its ShardedEngine outlived the run"):
+                with fresh_state("tiny: sdp4bit", CPU) as watched:
+                    watched.append(ref)
+
+
+def test_dry_run_with_repeats_prints_the_median_and_min_max_of_the_runs(tmp_path, capsys):
+    out = tmp_path / "runs.json"
+    presets = ["--presets", "baseline,sdp4bit", "--trainer-presets", "none", "--scenarios", "ib400"]
+    result = _script("--dry-run", "--repeats", "2", *presets, "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| row | step (ms) | min-max (ms) | spread |" in result.stdout
+    rows = _table_rows(result.stdout, "tiny, ib400")
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["round"], r["row"]) for r in runs] == [
+        (0, "plain"), (0, "baseline"), (0, "sdp4bit"), (1, "baseline"), (1, "plain"), (1, "sdp4bit"),
+    ]  # fmt: skip
+    for row in ("plain", "baseline", "sdp4bit"):
+        steps = [r["step_ms"] if row == "plain" else r["ib400"]["step_ms"] for r in runs if r["row"] == row]
+        cells = rows["plain (no strategy)" if row == "plain" else row]
+        assert cells[0] == f"{statistics.median(steps):.1f}"
+        assert cells[1] == f"{min(steps):.1f}-{max(steps):.1f}"
+        assert re.fullmatch(r"\d+\.\d%", cells[2])
+    assert "Each row: the median of 2 runs interleaved with the other rows'" in result.stdout
+    import emulated_network
+
+    emulated_network.main(["--tables-from", str(out)])  # the same text again, from the raw runs alone
+    assert capsys.readouterr().out == result.stdout
+
+
+@pytest.mark.parametrize(
+    "ranks_per_node, scenarios, title",
+    [
+        ("4", "ib400,eth100", "tiny, eth100: 16 nodes x 4 GPUs, NIC 3.125 GB/s"),
+        ("8", "ib400", "tiny, ib400: 8 nodes x 8 GPUs, NIC 50 GB/s per GPU (400 Gb/s)"),
+    ],
+)
+def test_dry_run_of_64_ranks(ranks_per_node, scenarios, title):
+    presets = ["--presets", "baseline,sdp4bit", "--trainer-presets", "sdp4bit"]
+    result = _script(
+        "--dry-run", "--world", "64", "--ranks-per-node", ranks_per_node, "--scenarios", scenarios, *presets
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 of 64 ranks" in result.stdout
+    assert list(_table_rows(result.stdout, title))[-3:] == ["baseline", "sdp4bit", "Trainer + sdp4bit"]
+
+
+def test_checkpointed_blocks_recompute_with_the_same_names_and_gradients():
+    from gpt_step import build_gpt, lm_loss, random_tokens
+
+    plain, checkpointed = (build_gpt(2, 4, 64, 32, CPU, 512, checkpoint_blocks=c) for c in (False, True))
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in checkpointed.named_parameters()]
+    calls, tokens = [], random_tokens(2, 32, CPU, 512)
+    for model in (plain, checkpointed):
+        model.blocks[1].mlp.fc.register_forward_pre_hook(lambda module, args, model=model: calls.append(model))
+        lm_loss(model, tokens).backward()
+    assert (calls.count(plain), calls.count(checkpointed)) == (1, 2)  # forward, and again in the backward
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_the_engine_trains_a_checkpointed_gpt_to_the_same_weights():
+    from emulated_runs import MODELS
+    from gpt_step import engine_step, make_optimizer
+
+    from lightning_sdp4bit.engine import ShardedEngine
+
+    topology = Topology(0, 8, 4)
+    weights, waits = {}, {}
+    for name in ("tiny", "tiny-ckpt"):
+        network, spec = Network(CPU, topology, "own"), MODELS[name]
+        with network.install():
+            model = spec.build(CPU)
+            engine = ShardedEngine(model, SDP4BitConfig.preset("sdp4bit", ranks_per_node=4), topology, network.groups())
+            optimizer = make_optimizer(model.parameters(), CPU)
+            engine.shard_optimizer(optimizer)
+            tokens = spec.tokens(CPU)
+            wait, waits[name] = engine.wait_weights, []
+            engine.wait_weights = lambda indices=None, wait=wait, name=name: (
+                waits[name].append(indices) or wait(indices)
+            )
+            for _ in range(3):
+                engine_step(model, engine, optimizer, tokens)
+            engine.close()
+            weights[name] = [p.detach().clone() for p in model.parameters()]
+    assert len(waits["tiny-ckpt"]) > len(waits["tiny"])  # the blocks' hooks fire again in the backward
+    initial = list(MODELS["tiny"].build(CPU).parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(initial, weights["tiny"], strict=True))  # it trained
+    for a, b in zip(weights["tiny"], weights["tiny-ckpt"], strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_dry_run_of_a_checkpointed_gpt():
+    presets = ["--presets", "sdp4bit", "--trainer-presets", "sdp4bit", "--scenarios", "ib400"]
+    result = _script("--dry-run", "--model", "tiny-ckpt", *presets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bf16 GPT (tiny-ckpt with activation checkpointing)" in result.stdout
+    assert list(_table_rows(result.stdout, "tiny-ckpt, ib400"))[-2:] == ["sdp4bit", "Trainer + sdp4bit"]
 
 
 def _four_buckets_over_slow_links():
