@@ -17,20 +17,25 @@ On the H200 (from the repository root; the whole --quick run, one run per row, t
 
 One GPU plays rank 0 of --world ranks, --ranks-per-node per node (benchmarks/emulation.py: every
 collective becomes a loopback copy on one CUDA stream per link, then a %globaltimer wait for
-bytes / bandwidth). Models: 356m, 1.3b, 6.7b (32 x 4096, 32 heads, batch 2 x 2048 tokens, with
-activation checkpointing), tiny and tiny-ckpt (the dry run's). Scenarios (bandwidth per GPU,
-GB/s = 1e9 bytes/s):
-- nvlink: one node of --world GPUs, NVLink --nvlink-gbs (150 GB/s);
-- ib400: 400 Gb/s InfiniBand per GPU (50 GB/s) across nodes, NVLink inside;
-- eth100: 100 Gb/s per node, shared by its --ranks-per-node GPUs (3.125 GB/s each with 4);
-- custom: --link-gbps Gb/s per GPU across nodes.
-Rows: plain (the same model and optimizer without any strategy: the floor); DDP computed from
-the plain step and a bf16 ring all-reduce of every gradient, 2(W-1)/W * 2 bytes * params at the
-world link's rate, perfectly overlapped (max) or not (sum); the engine (lightning_sdp4bit.engine)
-driven directly per preset, and qw+ulq (ZeRO++-like: qW weights, ULq 4-bit gradients); and
-"Trainer + preset": Lightning's Trainer with a SDP4BitStrategy that believes it is rank 0 of W
-(EmulatedStrategy in emulated_runs.py: one process, no launcher, a real one-rank process group),
-so that the adapter and Lightning's own collectives (the per-batch SIGTERM broadcast) count too.
+bytes / bandwidth plus a latency per message step, emulation.message_steps). Models: 356m, 1.3b,
+6.7b (32 x 4096, 32 heads, batch 2 x 2048 tokens), 6.7b-ckpt (the same with activation
+checkpointing), tiny and tiny-ckpt (the dry run's). Scenarios (bandwidth per GPU, GB/s = 1e9
+bytes/s; latency per message step, emulated_runs.SCENARIO_LATENCY_US, or --latency-us):
+- nvlink: one node of --world GPUs, NVLink --nvlink-gbs (150 GB/s), 2 us;
+- ib400: 400 Gb/s InfiniBand per GPU (50 GB/s) across nodes, 5 us, NVLink inside;
+- eth100: 100 Gb/s per node, shared by its --ranks-per-node GPUs (3.125 GB/s each with 4), 10 us;
+- custom: --link-gbps Gb/s per GPU across nodes, 8 us.
+--bucket-numel 4e6,16e6,... runs every engine and Trainer row once per bucket size ("sdp4bit,
+buckets of 4M"; x baseline against the baseline of the same size): how bucket count and size
+trade latency against overlap.
+Rows: plain (the same model and optimizer without any strategy: the floor); DDP computed from the
+plain step and a bf16 ring all-reduce of every gradient, 2(W-1)/W * 2 bytes * params at the world
+link's rate plus the latency of its 25 MiB buckets, perfectly overlapped (max) or not (sum); the
+engine (lightning_sdp4bit.engine) driven directly per preset, and qw+ulq (ZeRO++-like: qW weights,
+ULq 4-bit gradients); and "Trainer + preset": Lightning's Trainer with a SDP4BitStrategy that
+believes it is rank 0 of W (EmulatedStrategy in emulated_runs.py: one process, no launcher, a real
+one-rank process group), so that the adapter and Lightning's own collectives (the per-batch
+SIGTERM broadcast) count too.
 Repeats: the GPU's clocks drift over a run by a few percent, as much as the differences the
 targets ask about. So every job (the plain row, and each row on each topology) runs --repeats
 times (default 3), in rounds that run every job once, each round rotated by one more job and
@@ -39,7 +44,7 @@ model, engine or strategy of an earlier run alive, the allocator back where it w
 Columns: the median step (--steps timed back to back, no synchronize between them, so all-gathers
 a step leaves in flight are charged to the next), its min-max over the repeats and the spread
 (max - min) / median, rows above 3% listed under the table; the compute-only step (the same run
-with no wait); the busy time of each lane; step / max(compute-only, busiest link); speed against
+with no wait); the busy time of each lane, and its latency part; step / max(compute-only, busiest link); speed against
 the engine's baseline and the overlapped DDP (>1 is faster), all from medians; peak memory since
 the phase began. --json writes every run's raw results (round, position, row, topology, phases)
 with the arguments and the header; --tables-from JSON prints the same tables again from them.
@@ -56,7 +61,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -97,7 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lanes += " its own; shared: they queue on the world lane behind the engine's (one communicator, the engine before"
     lanes += " 2026-12-01)"
     parser.add_argument("--lightning-lane", choices=LIGHTNING_LANES, default="own", help=lanes)
-    parser.add_argument("--bucket-numel", type=int, default=None, help="override SDP4BitConfig.bucket_numel")
+    buckets = "override SDP4BitConfig.bucket_numel; a comma list gives each engine and Trainer row once per size"
+    parser.add_argument("--bucket-numel", default=None, help=buckets)
+    latency = "latency of one message step, NVLINK,NIC microseconds, for every scenario (default: by scenario,"
+    latency += " emulated_runs.SCENARIO_LATENCY_US: 2 us over NVLink, 5 over ib400, 10 over eth100); off = 0,0"
+    parser.add_argument("--latency-us", default=None, help=latency)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 10; --quick 3)")
     repeats = "runs of every row, interleaved, each from a fresh state (default 3; --quick and --dry-run 1)"
     parser.add_argument("--repeats", type=int, default=None, help=repeats)
@@ -140,8 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--ranks-per-node={args.world} is one node: the scenarios across nodes need more nodes")
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or not args.nvlink_gbs > 0:
         parser.error("--steps and --repeats must be >= 1, --warmup >= 0 and --nvlink-gbs > 0")
-    if args.bucket_numel is not None and args.bucket_numel < 1:
-        parser.error(f"--bucket-numel must be positive, got {args.bucket_numel}")
+    args.bucket_numels = _bucket_numels(parser, args.bucket_numel)
+    args.latency_us = _latency(parser, args.latency_us)
     if args.dry_run and set(args.models) - set(DRY_RUN_MODELS):
         parser.error(f"--dry-run runs a tiny model on the CPU: {' or '.join(DRY_RUN_MODELS)}, not {args.model}")
     if not args.dry_run and not torch.cuda.is_available():
@@ -158,6 +167,48 @@ def _names(parser, flag: str, value: str, allowed) -> list[str]:
     if unknown or not names:
         parser.error(f"{flag}: {', '.join(unknown) or 'nothing'} not among {', '.join(allowed)}")
     return names
+
+
+def _bucket_numels(parser, value: str | None) -> list[int | None]:
+    """--bucket-numel: [None] (the config's default) or the sizes, e.g. "4e6,16e6" -> [4000000, 16000000]."""
+    if value is None:
+        return [None]
+    try:
+        sizes = [float(size) for size in value.split(",")]
+    except ValueError:
+        parser.error(f"--bucket-numel: {value!r} is not a comma list of element counts (e.g. 4e6,16e6)")
+    if not sizes or any(size < 1 or size != int(size) for size in sizes):
+        parser.error(f"--bucket-numel: {value!r}: every size must be a whole number of elements >= 1")
+    return [int(size) for size in sizes]
+
+
+def _latency(parser, value: str | None) -> tuple[float, float] | None:
+    """--latency-us: None (by scenario), (0, 0) for off, or (NVLink us, NIC us)."""
+    if value is None:
+        return None
+    if value.strip().lower() == "off":
+        return (0.0, 0.0)
+    try:
+        nvlink, nic = (float(part) for part in value.split(","))
+    except ValueError:
+        parser.error(f"--latency-us: {value!r} is not NVLINK,NIC microseconds (e.g. 2,5) or off")
+    if not (nvlink >= 0 and nic >= 0):
+        parser.error(f"--latency-us: {value!r}: latencies must be >= 0 microseconds")
+    return (nvlink, nic)
+
+
+def engine_rows(args) -> dict[str, tuple[Callable, str, int | None]]:
+    """Each measured row but plain: its name -> (run function, preset, bucket_numel). With several
+    --bucket-numel sizes every row runs once per size, named "<row>, buckets of <N>M"."""
+    sizes = getattr(args, "bucket_numels", [args.bucket_numel])  # --json files from before the list
+    kinds = [(row, run_engine, row) for row in args.presets]
+    kinds += [(f"Trainer + {preset}", run_trainer, preset) for preset in args.trainer_presets]
+    rows = {}
+    for name, run, preset in kinds:
+        for size in sizes:
+            label = name if len(sizes) == 1 else f"{name}, buckets of {size / 1e6:g}M"
+            rows[label] = (run, preset, size)
+    return rows
 
 
 def _trace_path(args, *parts: str) -> str | None:
@@ -202,8 +253,7 @@ def measure_model(model: str, args, device: torch.device) -> list[dict]:
     """Every row of one model, `args.repeats` times, interleaved (see `interleave`), each from a
     fresh state; returns every run's raw results, with its round, position, row and topology."""
     spec, topologies = MODELS[model], _topologies(args)
-    rows = {row: (run_engine, row) for row in args.presets}
-    rows |= {f"Trainer + {preset}": (run_trainer, preset) for preset in args.trainer_presets}
+    rows = engine_rows(args)
     jobs = [("plain", "")] + [(row, key) for key in topologies for row in rows]
     raw = []
     for r, order in enumerate(interleave(jobs, args.repeats)):
@@ -215,9 +265,9 @@ def measure_model(model: str, args, device: torch.device) -> list[dict]:
                 if row == "plain":
                     result = run_plain(spec, args, device, trace, watched)
                 else:
-                    run, preset = rows[row]
+                    run, preset, bucket_numel = rows[row]
                     topology, phases = topologies[key]
-                    result = run(spec, preset, topology, phases, args, device, trace, watched)
+                    result = run(spec, preset, bucket_numel, topology, phases, args, device, trace, watched)
             raw.append({"model": model, "round": r, "position": position, "row": row, "topology": key, **result})
     return raw
 
@@ -228,7 +278,7 @@ def tabulate(model: str, raw: list[dict], args) -> list[str]:
     def repeats(row: str, key: str) -> list[dict]:
         return sorted((r for r in raw if (r["model"], r["row"], r["topology"]) == (model, row, key)), key=_round)
 
-    rows = list(args.presets) + [f"Trainer + {preset}" for preset in args.trainer_presets]
+    rows = list(engine_rows(args))
     tables = []
     for key, (_, phases) in _topologies(args).items():
         by_row = {row: repeats(row, key) for row in rows}

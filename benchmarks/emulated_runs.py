@@ -48,12 +48,12 @@ class ModelSpec:
 MODELS = {
     "356m": ModelSpec(24, 1024, batch=8, seq=2048),
     "1.3b": ModelSpec(24, 2048, batch=4, seq=2048),
-    # 6.7B: bf16 weights and gradients take 27 GB, the plain step's bf16 AdamW state 27 GB more.
-    # The activations of 2 x 2048 tokens would add about 17 GB (an estimate: ~32 bytes x width per
-    # token and layer); checkpointed, as 6.7B jobs usually run, about 1 GB of block inputs and one
-    # block's at a time. The recomputation (~1/3 more compute) also gives communication more time
-    # to hide behind: compare 6.7B's rows with each other, not with the smaller models'.
-    "6.7b": ModelSpec(32, 4096, batch=2, seq=2048, n_head=32, checkpoint=True),
+    # 6.7B: bf16 weights and gradients take 27 GB, the plain step's bf16 AdamW state 27 GB more, the
+    # activations of 2 x 2048 tokens about 17 GB (~32 bytes x width per token and layer): it fits
+    # in an H200 without activation checkpointing, which would add a third more compute for the
+    # communication to hide behind. `6.7b-ckpt` is the same model checkpointed, as large jobs run.
+    "6.7b": ModelSpec(32, 4096, batch=2, seq=2048, n_head=32),
+    "6.7b-ckpt": ModelSpec(32, 4096, batch=2, seq=2048, n_head=32, checkpoint=True),
     "tiny": ModelSpec(2, 64, batch=2, seq=32, n_head=4, vocab=512),  # the dry run's: ~0.1M parameters
     "tiny-ckpt": ModelSpec(2, 64, batch=2, seq=32, n_head=4, vocab=512, checkpoint=True),
 }
@@ -63,10 +63,20 @@ SCENARIOS = ("nvlink", "ib400", "eth100", "custom")
 SETTLE = 1  # untimed steps after a rate change: they carry the previous phase's in-flight all-gathers
 
 
+# Latency of one message step, microseconds (NVLink, NIC), by scenario. NCCL's own cost model
+# (src/graph/tuning.cc) charges a ring step 0.47 / 1.9 / 3.4 us over NVLink and 2.7 / 4.0 / 9.6 us
+# over the network for its LL / LL128 / Simple protocols: 2 us over NVLink; 5 us per message over
+# InfiniBand (RDMA); 10 us over 100 Gb/s Ethernet, whose RoCE or TCP messages cost more.
+SCENARIO_LATENCY_US = {"nvlink": (2.0, 0.0), "ib400": (2.0, 5.0), "eth100": (2.0, 10.0), "custom": (2.0, 8.0)}
+
+
 def scenario_phase(name: str, args: argparse.Namespace) -> Phase:
-    """GB/s per GPU: Gb/s / 8. One node has no NIC; eth100's 100 Gb/s is the node's, shared."""
+    """GB/s per GPU: Gb/s / 8. One node has no NIC; eth100's 100 Gb/s is the node's, shared.
+    Latency: SCENARIO_LATENCY_US, or --latency-us for every scenario."""
     gbps = {"nvlink": math.inf, "ib400": 400, "eth100": 100 / args.ranks_per_node, "custom": args.link_gbps}[name]
-    return Phase(name, args.nvlink_gbs, gbps / 8)
+    latency = getattr(args, "latency_us", None)  # absent from --json files written before it
+    nvlink_us, nic_us = SCENARIO_LATENCY_US[name] if latency is None else latency
+    return Phase(name, args.nvlink_gbs, gbps / 8, nvlink_us, nic_us)
 
 
 def row_config(row: str, ranks_per_node: int, bucket_numel: int | None) -> SDP4BitConfig:
@@ -127,11 +137,13 @@ def run_plain(spec: ModelSpec, args, device, profile: str | None, watched: list)
     return result
 
 
-def run_engine(spec: ModelSpec, row: str, topology: Topology, phases, args, device, profile, watched: list) -> dict:
+def run_engine(
+    spec: ModelSpec, row: str, bucket_numel: int | None, topology: Topology, phases, args, device, profile, watched
+) -> dict:
     network = Network(device, topology, args.lightning_lane)
     with network.install():
         model = spec.build(device)
-        config = row_config(row, topology.ranks_per_node, args.bucket_numel)
+        config = row_config(row, topology.ranks_per_node, bucket_numel)
         engine = ShardedEngine(model, config, topology, network.groups())
         watched += [weakref.ref(model), weakref.ref(engine)]
         optimizer = make_optimizer(model.parameters(), device)
@@ -210,10 +222,12 @@ class _AfterStep(L.Callback):
         self.timer.after_step()
 
 
-def run_trainer(spec: ModelSpec, preset: str, topology: Topology, phases, args, device, profile, watched: list) -> dict:
+def run_trainer(
+    spec: ModelSpec, preset: str, bucket_numel: int | None, topology: Topology, phases, args, device, profile, watched
+) -> dict:
     network = Network(device, topology, args.lightning_lane)
     timer = PhaseTimer(network, phases, args, profile)
-    strategy = EmulatedStrategy(row_config(preset, topology.ranks_per_node, args.bucket_numel), topology.world_size)
+    strategy = EmulatedStrategy(row_config(preset, topology.ranks_per_node, bucket_numel), topology.world_size)
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu",
         devices=1,

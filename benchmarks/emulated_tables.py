@@ -3,10 +3,12 @@
 Every measured row was run `--repeats` times, interleaved with the other rows; a table shows the
 median step, its min-max and its spread ((max - min) / median), and lists the rows whose spread
 is above SPREAD_LIMIT. Columns: the step; the compute-only step (the same run with no wait); the
-busy time of each lane; step / max(compute-only, busiest link); speed against the engine's
-baseline and the overlapped DDP (>1 is faster); peak memory since the phase began. Every derived
-column is computed from medians. The DDP rows are computed, not measured: the plain step and a
-bf16 all-reduce of every gradient at the link's rate.
+busy time of each lane, and how much of all lanes' busy time was per-message latency; step /
+max(compute-only, busiest link); speed against the engine's baseline and the overlapped DDP (>1
+is faster); peak memory since the phase began. Every derived column is computed from medians.
+The DDP rows are computed, not measured: the plain step and a bf16 all-reduce of every gradient at
+the link's rate, in DDP's 25 MiB buckets, each paying the latency of its steps as the emulation
+charges them (emulation.message_steps).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import math
 import statistics
 
+from emulation import message_steps
 from phase_timer import Phase
 
 SPREAD_LIMIT = 0.03  # the targets ask about differences of ~3%: a row that moves more cannot show them
-LANES = ("intra", "inter", "world", "nvlink", "nic")
+LANES = ("intra", "inter", "world", "nvlink", "nic", "latency")
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -48,18 +52,21 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
     world_gbs = scenario.nvlink_gbs if one_node else scenario.nic_gbs
     params = plain[0]["params"]
     plain_ms = statistics.median(p["step_ms"] for p in plain)
-    ddp_comm = 2 * (world - 1) / world * 2 * params / world_gbs / 1e6  # ms
+    buckets = math.ceil(2 * params / DDP_BUCKET_BYTES)
+    nodes = 1 if one_node else world // args.ranks_per_node
+    ddp_latency = buckets * _latency_ms("all_reduce", world, nodes, scenario)
+    ddp_comm = 2 * (world - 1) / world * 2 * params / world_gbs / 1e6 + ddp_latency  # ms
     ddp_ideal = max(plain_ms, ddp_comm)
     zero = dict.fromkeys(LANES, 0.0)
     rows = [_summary("plain (no strategy)", plain, plain)]
     computed = [
-        ("DDP, overlapped", ddp_ideal, {**zero, "world": ddp_comm}),
-        ("DDP, not overlapped", plain_ms + ddp_comm, {**zero, "world": ddp_comm}),
+        ("DDP, overlapped", ddp_ideal, {**zero, "world": ddp_comm, "latency": ddp_latency}),
+        ("DDP, not overlapped", plain_ms + ddp_comm, {**zero, "world": ddp_comm, "latency": ddp_latency}),
     ]
     hierarchical = None if one_node else _hierarchical_ddp(scenario, params, args)
     if hierarchical is not None:
-        busy = {**zero, "intra": hierarchical[0], "inter": hierarchical[1]}
-        computed.append(("DDP, two-level all-reduce, overlapped", max(plain_ms, *hierarchical), busy))
+        busy = {**zero, "intra": hierarchical[0], "inter": hierarchical[1], "latency": hierarchical[2]}
+        computed.append(("DDP, two-level all-reduce, overlapped", max(plain_ms, *hierarchical[:2]), busy))
     rows += [{"name": n, "steps": [step], "compute": plain_ms, "busy": b, "peak": math.nan} for n, step, b in computed]
     notes = []
     for row, repeats in runs.items():
@@ -67,13 +74,13 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
         if row.startswith("Trainer"):
             ops = statistics.median(r[scenario.name]["lightning_ops"] for r in repeats)
             notes.append(f"{row}: {ops:.1f} Lightning collectives per step")
-    baseline = next((statistics.median(r["steps"]) for r in rows if r["name"] == "baseline"), math.nan)
+    medians = {r["name"]: statistics.median(r["steps"]) for r in rows}
     lines = [
         f"#### {model}, {scenario.name}: {_describe(scenario, args)}",
         "",
         "| row | step (ms) | min-max (ms) | spread | compute-only (ms) | busy intra / inter / world (ms) "
-        "| step / max(compute, link) | x baseline | x ideal DDP | peak (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| of which latency (ms) | step / max(compute, link) | x baseline | x ideal DDP | peak (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         name, busy, step = row["name"], row["busy"], statistics.median(row["steps"])
@@ -84,12 +91,14 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
         spread_pct = "-" if ddp else f"{100 * spread(row['steps']):.1f}%"
         lines.append(
             f"| {name} | {_fmt(step)} | {low_high} | {spread_pct} | {_fmt(row['compute'])} | {lanes} "
-            f"| {_fmt(step / max(row['compute'], link), 2)} | {_fmt(baseline / step, 2)} "
+            f"| {_fmt(busy['latency'], 2)} "
+            f"| {_fmt(step / max(row['compute'], link), 2)} | {_fmt(_baseline_of(name, medians) / step, 2)} "
             f"| {_fmt(ddp_ideal / step, 2)} | {_fmt(row['peak'], 2)} |"
         )
     lines += [
         "",
-        f"DDP: {params / 1e6:.0f}M bf16 gradients all-reduced, {ddp_comm:.1f} ms at {world_gbs:g} GB/s. "
+        f"DDP: {params / 1e6:.0f}M bf16 gradients all-reduced in {buckets} buckets, {ddp_comm:.1f} ms at "
+        f"{world_gbs:g} GB/s ({ddp_latency:.2f} ms of it latency). "
         "The link bound charges the world lane to the link it crosses (NVLink on one node, else the NIC).",
         _spread_note([r for r in rows if not r["name"].startswith("DDP")], len(plain)),
         *([] if hierarchical is None else [_HIERARCHICAL_NOTE]),
@@ -97,6 +106,13 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
         "",
     ]
     return "\n".join(lines)
+
+
+def _baseline_of(name: str, medians: dict[str, float]) -> float:
+    """The baseline row's median step for row `name`: in a sweep of bucket sizes, the baseline's at
+    the same size ("sdp4bit, buckets of 4M" -> "baseline, buckets of 4M")."""
+    suffix = name[name.index(", buckets of") :] if ", buckets of" in name else ""
+    return medians.get("baseline" + suffix, math.nan)
 
 
 def _spread_note(rows: list[dict], repeats: int) -> str:
@@ -118,20 +134,35 @@ _HIERARCHICAL_NOTE = (
 )
 
 
-def _hierarchical_ddp(scenario: Phase, params: int, args) -> tuple[float, float]:
-    """(NVLink ms, NIC ms) of a two-level bf16 all-reduce of every gradient, per GPU."""
+def _latency_ms(kind: str, ranks: int, nodes: int, scenario: Phase) -> float:
+    """One collective's latency as the emulation charges it: its cheapest algorithm's steps."""
+    steps = message_steps(kind, ranks, nodes)
+    return min(nv * scenario.nvlink_us + nic * scenario.nic_us for nv, nic in steps) / 1e3
+
+
+def _hierarchical_ddp(scenario: Phase, params: int, args) -> tuple[float, float, float]:
+    """(NVLink ms, NIC ms, of which latency ms) of a two-level bf16 all-reduce of every gradient
+    per GPU, in DDP's buckets: inside the node, then each GPU's 1/L across nodes."""
     local, nodes = args.ranks_per_node, args.world // args.ranks_per_node
-    nbytes = 2 * params
-    intra = 2 * (local - 1) / local * nbytes / scenario.nvlink_gbs / 1e6
-    inter = 2 * (nodes - 1) / nodes * nbytes / local / scenario.nic_gbs / 1e6
-    return intra, inter
+    nbytes, buckets = 2 * params, math.ceil(2 * params / DDP_BUCKET_BYTES)
+    intra_latency = buckets * _latency_ms("all_reduce", local, 1, scenario)
+    inter_latency = buckets * _latency_ms("all_reduce", nodes, nodes, scenario)
+    intra = 2 * (local - 1) / local * nbytes / scenario.nvlink_gbs / 1e6 + intra_latency
+    inter = 2 * (nodes - 1) / nodes * nbytes / local / scenario.nic_gbs / 1e6 + inter_latency
+    return intra, inter, intra_latency + inter_latency
 
 
 def _describe(scenario: Phase, args) -> str:
     if scenario.name == "nvlink":
-        return f"one node of {args.world} GPUs, NVLink {scenario.nvlink_gbs:g} GB/s per GPU"
+        latency = f", {scenario.nvlink_us:g} us per message step" if scenario.nvlink_us else ", no latency"
+        return f"one node of {args.world} GPUs, NVLink {scenario.nvlink_gbs:g} GB/s per GPU{latency}"
     nodes = args.world // args.ranks_per_node
+    latency = (
+        f"; latency per message step {scenario.nvlink_us:g} us over NVLink, {scenario.nic_us:g} us across nodes"
+        if scenario.nvlink_us or scenario.nic_us
+        else "; no latency"
+    )
     return (
         f"{nodes} nodes x {args.ranks_per_node} GPUs, NIC {scenario.nic_gbs:g} GB/s per GPU "
-        f"({scenario.nic_gbs * 8:g} Gb/s), NVLink {scenario.nvlink_gbs:g} GB/s"
+        f"({scenario.nic_gbs * 8:g} Gb/s), NVLink {scenario.nvlink_gbs:g} GB/s{latency}"
     )

@@ -8,10 +8,15 @@ Checks:
 - every collective on a lane is charged its bytes / bandwidth plus the latency of its cheapest
   algorithm on the links its group spans (NVLink inside a node, the NIC across nodes), and the
   latency part is reported on its own;
-- the compute-only phase (infinite bandwidth) waits no latency, and latency 0 adds nothing.
+- the compute-only phase (infinite bandwidth) waits no latency, and latency 0 adds nothing;
+- emulated_network.py: --latency-us and a list of --bucket-numel sizes are parsed or refused by
+  name; a dry run with two bucket sizes prints each engine row once per size, the scenario's
+  latency in its title, the latency part of each row's busy time (more buckets, more messages,
+  more latency), and the DDP rows' latency for their 25 MiB buckets.
 """
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +27,8 @@ import torch.distributed as dist
 import lightning_sdp4bit.comm as comm
 from lightning_sdp4bit.topology import Topology
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
 from emulation import Network, message_steps  # noqa: E402
 
@@ -97,3 +103,72 @@ def test_no_latency_without_a_network_or_with_latency_zero(rates):
     assert network.link_busy_ns()["latency"] == 0.0
     expected = 0.0 if math.isinf(rates[0]) else 10 * 4 + 2 * 7 / 8 * 40
     assert network.inter.busy_ns + network.world.busy_ns == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--latency-us", "3"], "--latency-us: '3' is not NVLINK,NIC microseconds"),
+        (["--latency-us", "2,-1"], "latencies must be >= 0 microseconds"),
+        (["--bucket-numel", "4e6,big"], "--bucket-numel: '4e6,big' is not a comma list"),
+        (["--bucket-numel", "0.5"], "every size must be a whole number of elements >= 1"),
+    ],
+)
+def test_bad_latency_and_bucket_arguments_name_the_flag(args, message, capsys):
+    import emulated_network
+
+    with pytest.raises(SystemExit) as stopped:
+        emulated_network.parse_args(["--dry-run", *args])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_latency_and_bucket_sizes_parse():
+    import emulated_network
+
+    args = emulated_network.parse_args(["--dry-run", "--latency-us", "off", "--bucket-numel", "4e6,16000000"])
+    assert args.latency_us == (0.0, 0.0) and args.bucket_numels == [4_000_000, 16_000_000]
+    args = emulated_network.parse_args(["--dry-run"])
+    assert args.latency_us is None and args.bucket_numels == [None]
+
+
+def _rows(text: str, title: str) -> dict[str, list[str]]:
+    table = text.split(f"#### {title}")[1].split("####")[0]
+    cells = [[c.strip() for c in line.strip("| ").split(" | ")] for line in table.splitlines() if line.startswith("| ")]
+    header, body = cells[0], cells[1:]
+    return {row[0]: dict(zip(header[1:], row[1:], strict=True)) for row in body}
+
+
+def test_a_dry_run_sweeps_bucket_sizes_with_latency():
+    command = [
+        sys.executable, str(BENCHMARKS / "emulated_network.py"), "--dry-run",
+        "--trainer-presets", "none", "--scenarios", "eth100", "--bucket-numel", "2e3,2e5", "--latency-us", "2,10",
+        "--presets", "baseline,sdp4bit",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    title = "tiny, eth100: 2 nodes x 4 GPUs, NIC 3.125 GB/s per GPU (25 Gb/s), NVLink 150 GB/s; latency per message"
+    assert f"{title} step 2 us over NVLink, 10 us across nodes" in result.stdout
+    rows = _rows(result.stdout, title)
+    assert list(rows) == [
+        "plain (no strategy)",
+        "DDP, overlapped",
+        "DDP, not overlapped",
+        "DDP, two-level all-reduce, overlapped",
+        "baseline, buckets of 0.002M",
+        "baseline, buckets of 0.2M",
+        "sdp4bit, buckets of 0.002M",
+        "sdp4bit, buckets of 0.2M",
+    ]
+    for size in ("0.002M", "0.2M"):  # each row against the baseline of its own bucket size
+        x_baseline = float(rows[f"baseline, buckets of {size}"]["step (ms)"]) / float(
+            rows[f"sdp4bit, buckets of {size}"]["step (ms)"]
+        )
+        assert float(rows[f"sdp4bit, buckets of {size}"]["x baseline"]) == pytest.approx(x_baseline, rel=0.02)
+    latency = "of which latency (ms)"
+    small, large = float(rows["sdp4bit, buckets of 0.002M"][latency]), float(rows["sdp4bit, buckets of 0.2M"][latency])
+    assert small > large > 0  # the tiny GPT (~0.1M parameters) in one bucket, or in dozens
+    assert float(rows["plain (no strategy)"][latency]) == 0.0
+    # DDP: one 25 MiB bucket; a flat all-reduce over 8 ranks on 2 nodes takes the tree (6 NVLink + 2 NIC
+    # steps = 32 us), the two-level one 6 NVLink steps inside the node and 2 NIC steps across (32 us too).
+    assert float(rows["DDP, overlapped"][latency]) == pytest.approx(0.03, abs=0.005)
+    assert float(rows["DDP, two-level all-reduce, overlapped"][latency]) == pytest.approx(0.03, abs=0.005)
