@@ -1,0 +1,37 @@
+"""benchmarks/link_bytes.py on the CPU: the bytes per parameter it reports are the engine's.
+
+- the uncompressed baseline puts on each GPU's NIC what its two-level exchanges move: the fp32
+  gradients' inter-node reduce-scatter of the node's 1/L, (M-1)/M x 4/L bytes per parameter, and
+  the bf16 weights' inter-node all-gather, (M-1)/M x 2/L: (M-1)/M x 6/L in all;
+- sdp4bit puts less than a quarter of that on the NIC (8- and 4-bit codes with their scales);
+- a malformed --topologies is refused by name.
+"""
+
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from link_bytes import bytes_per_param, main  # noqa: E402
+
+from lightning_sdp4bit.topology import Topology  # noqa: E402
+
+ARGS = Namespace(layers=1, width=128, warmup=1)
+
+
+@pytest.mark.parametrize("nodes, local", [(2, 4), (4, 2)])
+def test_the_baseline_puts_its_two_level_bytes_on_the_nic(nodes, local):
+    nvlink, nic = bytes_per_param("baseline", Topology(0, nodes * local, local), ARGS)
+    assert nic == pytest.approx((nodes - 1) / nodes * 6 / local, rel=0.02)
+    assert nvlink > nic  # the intra-node stages carry the rest
+    _, compressed = bytes_per_param("sdp4bit", Topology(0, nodes * local, local), ARGS)
+    assert 0 < compressed < nic / 4
+
+
+def test_a_malformed_topology_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["--topologies", "16by4"])
+    assert "--topologies: '16by4' is not NODESxGPUS" in capsys.readouterr().err
