@@ -14,7 +14,9 @@ model size: an N-parameter model puts N times the figure on each link per step.
 Columns: NVLink and NIC bytes per parameter per step; the step a link alone would allow at
 100 Gb/s per 4-GPU node (3.125 GB/s per GPU) or 400 Gb/s per GPU, per billion parameters; and
 the NIC-bound speed-up against the baseline preset and against DDP (a flat bf16 ring: 2(W-1)/W x
-2 bytes per parameter on each GPU's NIC share; a two-level one: 2(M-1)/M x 2 / L). When both sides
+2 bytes per parameter on each GPU's NIC share; a two-level one: 2(M-1)/M x 2 / L); and the latency
+one bucket's exchanges pay on the NIC, per step, at eth100's latencies (emulated_runs.
+SCENARIO_LATENCY_US: 10 us a step across nodes), which the emulation adds to the bytes' time. When both sides
 are NIC-bound, the step ratio is the NIC bytes' ratio: that is the most the emulated figures can
 show; compute that does not hide under the link brings a ratio down towards 1.
 """
@@ -29,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from emulated_runs import row_config  # noqa: E402
+from emulated_runs import SCENARIO_LATENCY_US, row_config  # noqa: E402
 from emulation import Network  # noqa: E402
 from gpt_step import build_gpt, engine_step, make_optimizer, random_tokens  # noqa: E402
 
@@ -40,11 +42,11 @@ PRESETS = ("baseline", "qwd", "tlq_hs", "sdp4bit", "qw+ulq")
 LINKS_GBS = {"100 Gb/s per 4-GPU node": 100 / 4 / 8, "400 Gb/s per GPU": 400 / 8}
 
 
-def bytes_per_param(preset: str, topology: Topology, args) -> tuple[float, float]:
-    """(NVLink, NIC) bytes per parameter per step on rank 0, after --warmup steps."""
+def bytes_per_param(preset: str, topology: Topology, args) -> tuple[float, float, float]:
+    """(NVLink, NIC) bytes per parameter per step on rank 0, after --warmup steps, and the
+    microseconds of latency each bucket pays on the NIC at eth100's per-step latencies."""
     device = torch.device("cpu")
     network = Network(device, topology, "own")
-    network.set_rates(1.0, 1.0)  # 1 GB/s = 1 byte per ns: busy_ns counts bytes
     with network.install():
         model = build_gpt(args.layers, 4, args.width, 32, device, vocab=512)  # bf16, as on the GPU
         engine = ShardedEngine(model, row_config(preset, topology.ranks_per_node, None), topology, network.groups())
@@ -53,12 +55,15 @@ def bytes_per_param(preset: str, topology: Topology, args) -> tuple[float, float
         tokens = random_tokens(2, 32, device, vocab=512)
         for _ in range(args.warmup):
             engine_step(model, engine, optimizer, tokens)
+        network.set_rates(1.0, 1.0, *SCENARIO_LATENCY_US["eth100"])  # 1 GB/s = 1 byte per ns
         network.reset()
         engine_step(model, engine, optimizer, tokens)
         busy = network.link_busy_ns()
+        nic_latency = network.inter.latency_ns + network.world.latency_ns + network.lightning.latency_ns
         engine.close()
     params = sum(p.numel() for p in model.parameters())
-    return busy["nvlink"] / params, busy["nic"] / params
+    nvlink, nic = busy["nvlink"] - network.intra.latency_ns, busy["nic"] - nic_latency
+    return nvlink / params, nic / params, nic_latency / 1e3 / len(engine.buckets)
 
 
 def table(topology: Topology, args) -> str:
@@ -72,17 +77,17 @@ def table(topology: Topology, args) -> str:
         "",
         "| row | NVLink B/param | NIC B/param | "
         + " | ".join(f"NIC ms per 1B params, {name}" for name in LINKS_GBS)
-        + " | x baseline (NIC-bound) | x flat DDP | x two-level DDP |",
-        "|---|---|---|" + "---|" * len(LINKS_GBS) + "---|---|---|",
+        + " | x baseline (NIC-bound) | x flat DDP | x two-level DDP | NIC latency per bucket (us) |",
+        "|---|---|---|" + "---|" * len(LINKS_GBS) + "---|---|---|---|",
     ]
     for name, nic in (("DDP, flat ring", ddp_flat), ("DDP, two-level", ddp_two_level)):
         link_ms = " | ".join(f"{nic / gbs * 1e3:.0f}" for gbs in LINKS_GBS.values())
-        lines.append(f"| {name} | - | {nic:.3f} | {link_ms} | - | - | - |")
-    for preset, (nvlink, nic) in rows.items():
+        lines.append(f"| {name} | - | {nic:.3f} | {link_ms} | - | - | - | - |")
+    for preset, (nvlink, nic, latency) in rows.items():
         link_ms = " | ".join(f"{nic / gbs * 1e3:.0f}" for gbs in LINKS_GBS.values())
         lines.append(
             f"| {preset} | {nvlink:.3f} | {nic:.3f} | {link_ms} | {rows['baseline'][1] / nic:.2f} "
-            f"| {ddp_flat / nic:.2f} | {ddp_two_level / nic:.2f} |"
+            f"| {ddp_flat / nic:.2f} | {ddp_two_level / nic:.2f} | {latency:.0f} |"
         )
     return "\n".join(lines + [""])
 
