@@ -144,6 +144,10 @@ def _script(*args):
         (["--presets", "sdp4bit,fast"], "--presets: fast not among"),
         (["--model", "356m"], "--dry-run runs a tiny model on the CPU: tiny or tiny-ckpt, not 356m"),
         (["--repeats", "0"], "--steps and --repeats must be >= 1"),
+        (["--latency-us", "3"], "--latency-us: '3' is not NVLINK,NIC microseconds"),
+        (["--latency-us", "2,-1"], "latencies must be >= 0 microseconds"),
+        (["--bucket-numel", "4e6,big"], "--bucket-numel: '4e6,big' is not a comma list"),
+        (["--bucket-numel", "0.5"], "every size must be a whole number of elements >= 1"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message, capsys):
