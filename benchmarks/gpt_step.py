@@ -39,9 +39,9 @@ def build_gpt(
     model initialised on the CPU first takes tens of seconds.
 
     `checkpoint_blocks`: each block keeps only its input for the backward, which runs the block's
-    forward again (activation checkpointing: a 6.7B GPT's activations at seq 2048 would not fit
-    beside its weights, gradients and optimizer state). The block's own `forward` is replaced,
-    not the block wrapped, so that parameter names stay those of the example."""
+    forward again (activation checkpointing, as large jobs run; the `6.7b-ckpt` model of
+    emulated_runs.py). The block's own `forward` is replaced, not the block wrapped, so that
+    parameter names stay those of the example."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     with torch.device(device):
