@@ -8,7 +8,7 @@ max(compute-only, busiest link); speed against the engine's baseline and the ove
 is faster); peak memory since the phase began. Every derived column is computed from medians.
 The DDP rows are computed, not measured: the plain step and a bf16 all-reduce of every gradient at
 the link's rate, in DDP's 25 MiB buckets, each paying the latency of its steps as the emulation
-charges them (emulation.message_steps).
+charges them (emulation.latency_ns).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from emulation import message_steps
+from emulation import latency_ns
 from phase_timer import Phase
 
 SPREAD_LIMIT = 0.03  # the targets ask about differences of ~3%: a row that moves more cannot show them
@@ -135,9 +135,8 @@ _HIERARCHICAL_NOTE = (
 
 
 def _latency_ms(kind: str, ranks: int, nodes: int, scenario: Phase) -> float:
-    """One collective's latency as the emulation charges it: its cheapest algorithm's steps."""
-    steps = message_steps(kind, ranks, nodes)
-    return min(nv * scenario.nvlink_us + nic * scenario.nic_us for nv, nic in steps) / 1e3
+    """One collective's latency as the emulation charges it, in milliseconds."""
+    return latency_ns(kind, ranks, nodes, 1e3 * scenario.nvlink_us, 1e3 * scenario.nic_us) / 1e6
 
 
 def _hierarchical_ddp(scenario: Phase, params: int, args) -> tuple[float, float, float]:

@@ -65,7 +65,7 @@ import lightning_sdp4bit.comm as comm
 import lightning_sdp4bit.topology as topology_module
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
-__all__ = ["FakeGroup", "Lane", "Network", "spin_accuracy", "spin_kernel"]
+__all__ = ["FakeGroup", "Lane", "Network", "latency_ns", "message_steps", "spin_accuracy", "spin_kernel"]
 
 LIGHTNING_LANES = ("shared", "own")
 
@@ -143,6 +143,12 @@ def message_steps(kind: str, ranks: int, nodes: int) -> list[tuple[int, int]]:
     raise ValueError(f"no step count for a collective of kind {kind!r}")
 
 
+def latency_ns(kind: str, ranks: int, nodes: int, nvlink_ns: float, nic_ns: float) -> float:
+    """What the emulation charges a collective for its messages: its cheapest algorithm's steps,
+    each at its link's latency."""
+    return min(nvlink * nvlink_ns + nic * nic_ns for nvlink, nic in message_steps(kind, ranks, nodes))
+
+
 class Lane:
     """One FIFO of collectives: a CUDA stream, its bandwidth and latencies, and what it was charged.
 
@@ -168,17 +174,16 @@ class Lane:
         """Nanoseconds of latency a collective of `kind` over `ranks` ranks of this lane waits."""
         if math.isinf(self.gbs) or not (self.nvlink_ns or self.nic_ns):
             return 0.0
-        algorithms = message_steps(kind, ranks, self.nodes)
-        return min(nvlink * self.nvlink_ns + nic * self.nic_ns for nvlink, nic in algorithms)
+        return latency_ns(kind, ranks, self.nodes, self.nvlink_ns, self.nic_ns)
 
     def run(
         self, nbytes: float, latency_ns: float, tensors: tuple, loopback: Callable[[], Any], async_op: bool
     ) -> _Work | None:
         """Copy with `loopback`, then wait latency_ns + nbytes / gbs on this lane; see the module
         docstring."""
-        ns = 0.0 if math.isinf(self.gbs) else nbytes / self.gbs + latency_ns
+        ns = (0.0 if math.isinf(self.gbs) else nbytes / self.gbs) + latency_ns  # latency_of: 0 at inf
         self.busy_ns += ns
-        self.latency_ns += 0.0 if math.isinf(self.gbs) else latency_ns
+        self.latency_ns += latency_ns
         self.ops += 1
         if self.stream is None:  # the CPU: in place, at once
             loopback()

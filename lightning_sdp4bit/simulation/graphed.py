@@ -36,16 +36,7 @@ __all__ = ["GraphedBackward", "GraphedRanks"]
 class GraphedBackward:
     """loss_fn(tokens) -> scalar loss, captured with its backward for `example`'s shape and dtype."""
 
-    def __init__(
-        self,
-        loss_fn: Callable[[Tensor], Tensor],
-        example: Tensor,
-        params: Sequence[nn.Parameter],
-        capture_stream: torch.cuda.Stream | None = None,
-    ):
-        """`capture_stream`: where the graph is captured (a new stream by default). Graphs that
-        will replay at the same time need different ones: cuBLAS keeps one workspace per stream,
-        and a graph replays with the workspace it was captured with."""
+    def __init__(self, loss_fn: Callable[[Tensor], Tensor], example: Tensor, params: Sequence[nn.Parameter]):
         if not example.is_cuda:
             raise ValueError("GraphedBackward needs CUDA tensors: CUDA graphs exist only on a GPU")
         self._params = list(params)
@@ -60,7 +51,10 @@ class GraphedBackward:
         used = [p.grad is not None for p in self._params]
         self._clear()
         self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph, stream=capture_stream or torch.cuda.Stream()):
+        # Captured on a stream of its own: cuBLAS keeps one workspace per (handle, stream) and a graph
+        # replays with its capture's, so graphs that replay at the same time (GraphedRanks) must
+        # not share a capture stream.
+        with torch.cuda.graph(self._graph, stream=torch.cuda.Stream()):
             self._loss = loss_fn(self._input)
             self._loss.backward()
         # The gradients the graph writes at every replay, in `params` order (None: no gradient).
@@ -102,7 +96,7 @@ class GraphedRanks:
         if copies < 1:
             raise ValueError(f"copies must be at least 1, got {copies}")
         self._streams = [torch.cuda.Stream() for _ in range(copies)]
-        self._graphs = [GraphedBackward(loss_fn, example, params, torch.cuda.Stream()) for _ in range(copies)]
+        self._graphs = [GraphedBackward(loss_fn, example, params) for _ in range(copies)]
 
     def run(self, micro_batches: Sequence[Tensor], take: Callable[[int, Tensor, list[Tensor | None]], None]) -> None:
         caller = torch.cuda.current_stream()
