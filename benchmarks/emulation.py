@@ -55,6 +55,7 @@ import dataclasses
 import functools
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -149,6 +150,13 @@ def latency_ns(kind: str, ranks: int, nodes: int, nvlink_ns: float, nic_ns: floa
     return min(nvlink * nvlink_ns + nic * nic_ns for nvlink, nic in message_steps(kind, ranks, nodes))
 
 
+def _wait_on_host(ns: float) -> None:
+    """Busy-wait ns nanoseconds on the host, as a blocking gloo collective holds its caller."""
+    until = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < until:
+        pass
+
+
 class Lane:
     """One FIFO of collectives: a CUDA stream, its bandwidth and latencies, and what it was charged.
 
@@ -187,6 +195,12 @@ class Lane:
         self.ops += 1
         if self.stream is None:  # the CPU: in place, at once
             loopback()
+            return _Work(None) if async_op else None
+        if any(not tensor.is_cuda for tensor in tensors):
+            # A host collective (a gloo group's, as the preemption check's one-int flag each
+            # batch): the host waits, not a stream, and the GPU's queue is not involved.
+            loopback()
+            _wait_on_host(ns)
             return _Work(None) if async_op else None
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
