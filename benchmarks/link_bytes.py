@@ -8,8 +8,10 @@ emulated-network figures, on the CPU in a minute.
 The engine runs one GPT (--layers x --width) on the CPU as rank 0 of the job, over the emulated
 network of emulation.py at 1 GB/s on both links and no latency, so that each lane's busy
 nanoseconds are its bytes (the ring's bytes per rank, as emulation.py charges them). Compression
-works per element (4-bit codes and one scale per group), so bytes per parameter carry over to any
-model size: an N-parameter model puts N times the figure on each link per step.
+works per element (4-bit codes and one scale per group), so bytes per element of the flat buffers
+carry over to any model size: an N-parameter model with buckets of millions of elements (whose
+padding to whole quantization groups is negligible) puts N times the figure on each link per step.
+The small model's own padding is not: per parameter it would read up to 15% higher (at W = 64).
 
 Columns: NVLink and NIC bytes per parameter per step; the step a link alone would allow at
 100 Gb/s per 4-GPU node (3.125 GB/s per GPU) or 400 Gb/s per GPU, per billion parameters; and
@@ -44,7 +46,7 @@ LINKS_GBS = {"100 Gb/s per 4-GPU node": 100 / 4 / 8, "400 Gb/s per GPU": 400 / 8
 
 
 def bytes_per_param(preset: str, topology: Topology, args) -> tuple[float, float, float, float]:
-    """(NVLink, NIC) bytes per parameter per step on rank 0, after --warmup steps, and the
+    """(NVLink, NIC) bytes per flat-buffer element per step on rank 0, after --warmup steps, and the
     microseconds of latency the NIC charges at eth100's per-step latencies: per bucket (its
     exchanges across nodes), and per step (the world group's small all-reduces)."""
     device = torch.device("cpu")
@@ -63,9 +65,13 @@ def bytes_per_param(preset: str, topology: Topology, args) -> tuple[float, float
         busy = network.link_busy_ns()
         per_step = network.world.latency_ns + network.lightning.latency_ns
         engine.close()
-    params = sum(p.numel() for p in model.parameters())
+    # Per element of the flat buffers, not per parameter: each bucket is zero-padded to whole
+    # quantization groups per shard, up to W x 2048 elements (15% more elements than parameters
+    # in this small model at W = 64, at most 0.5% of a 25M-element bucket), and the padding
+    # travels too. Per element is what a large model pays per parameter.
+    elements = sum(bucket.layout.numel for bucket in engine.buckets)
     nvlink, nic = busy["nvlink"] - network.intra.latency_ns, busy["nic"] - network.inter.latency_ns - per_step
-    return nvlink / params, nic / params, network.inter.latency_ns / 1e3 / len(engine.buckets), per_step / 1e3
+    return nvlink / elements, nic / elements, network.inter.latency_ns / 1e3 / len(engine.buckets), per_step / 1e3
 
 
 def table(topology: Topology, args) -> str:
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     text = "\n".join(table(topology, args) for topology in topologies)
     header = (
-        f"### Bytes on each link per parameter and step (GPT {args.layers} x {args.width}, CPU, "
+        "### Bytes on each link per element of the flat buffers (a large model's per parameter) and step "
+        f"(GPT {args.layers} x {args.width}, CPU, "
         f"`python benchmarks/link_bytes.py {' '.join(sys.argv[1:] if argv is None else argv)}`)\n"
     )
     print(header + "\n" + text)
