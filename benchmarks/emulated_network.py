@@ -78,7 +78,7 @@ from emulated_runs import (
     run_trainer,
     scenario_phase,
 )
-from emulated_tables import scenario_table
+from emulated_tables import scenario_table, segment_table
 from emulation import LIGHTNING_LANES, spin_accuracy
 from phase_timer import Phase
 
@@ -282,7 +282,10 @@ def tabulate(model: str, raw: list[dict], args) -> list[str]:
     tables = []
     for key, (_, phases) in _topologies(args).items():
         by_row = {row: repeats(row, key) for row in rows}
-        tables += [scenario_table(model, phase, repeats("plain", ""), by_row, args) for phase in phases[1:]]
+        for phase in phases[1:]:
+            tables.append(scenario_table(model, phase, repeats("plain", ""), by_row, args))
+            segments = segment_table(model, phase, repeats("plain", ""), by_row)
+            tables += [segments] if segments else []
     return tables
 
 

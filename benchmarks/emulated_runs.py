@@ -136,7 +136,7 @@ def run_plain(spec: ModelSpec, args, device, profile: str | None, watched: list)
     optimizer, tokens = make_optimizer(model.parameters(), device), spec.tokens(device)
     timer = PhaseTimer(None, [Phase("compute")], args, profile)
     for _ in range(timer.total_steps):
-        plain_step(model, optimizer, tokens)
+        plain_step(model, optimizer, tokens, timer.mark)
         timer.after_step()
     result = timer.results()["compute"]
     result["params"] = sum(p.numel() for p in model.parameters())
@@ -157,7 +157,7 @@ def run_engine(
         tokens = spec.tokens(device)
         timer = PhaseTimer(network, phases, args, profile)
         for _ in range(timer.total_steps):
-            engine_step(model, engine, optimizer, tokens)
+            engine_step(model, engine, optimizer, tokens, timer.mark)
             timer.after_step()
         results = timer.results()
         engine.close()

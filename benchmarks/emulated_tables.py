@@ -9,6 +9,13 @@ is faster); peak memory since the phase began. Every derived column is computed 
 The DDP rows are computed, not measured: the plain step and a bf16 all-reduce of every gradient at
 the link's rate, in DDP's 25 MiB buckets, each paying the latency of its steps as the emulation
 charges them (emulation.latency_ns).
+
+`segment_table`: where each engine row's step goes (phase_timer.SEGMENTS), against the bound
+that the step's one barrier sets. The weights can cross a link only after the optimizer step,
+which needs every gradient (clipping takes their global norm), so a step cannot beat
+max(forward, the weights' busiest link) + max(backward, the gradients' busiest link) + optimizer,
+the compute from the row's compute-only phase. max(compute, link) ignores that barrier: it is
+the bound of a step whose weights could move during its backward.
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ import math
 import statistics
 
 from emulation import latency_ns
-from phase_timer import Phase
+from phase_timer import SEGMENTS, Phase
 
 SPREAD_LIMIT = 0.03  # the targets ask about differences of ~3%: a row that moves more cannot show them
 LANES = ("intra", "inter", "world", "nvlink", "nic", "latency")
+EXCHANGES = ("nvlink_weights", "nic_weights", "nvlink_gradients", "nic_gradients")
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
 
@@ -106,6 +114,56 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
         "",
     ]
     return "\n".join(lines)
+
+
+def barrier_bound(compute: dict[str, float], busy: dict[str, float]) -> float:
+    """The step's bound with the optimizer's barrier (see the module docstring), in ms: `compute`
+    the compute-only segments, `busy` the links' busy time by purpose."""
+    weights = max(busy["nvlink_weights"], busy["nic_weights"])
+    gradients = max(busy["nvlink_gradients"], busy["nic_gradients"])
+    return max(compute["forward"], weights) + max(compute["backward"], gradients) + compute["optimizer"]
+
+
+def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
+    """Where the step goes, for the plain row and the engine rows that marked their segments (a
+    Trainer row does not; nor did runs written before segments were timed). A link that a row
+    does not use (the plain row's) counts as busy 0 ms."""
+
+    def medians(results: list[dict], key: str, names) -> dict[str, float]:
+        return {n: statistics.median(r.get(key, {}).get(n, 0.0) for r in results) for n in names}
+
+    lines = [
+        "| row | forward (ms) | backward + gradient wait (ms) | clip + optimizer (ms) "
+        "| compute-only: forward / backward / optimizer (ms) | weights on NVLink / NIC (ms) "
+        "| gradients on NVLink / NIC (ms) | bound with the optimizer's barrier (ms) | step / that bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    measured = {"plain (no strategy)": (plain, plain)}
+    measured.update({row: ([r[scenario.name] for r in rs], [r["compute"] for r in rs]) for row, rs in runs.items()})
+    for name, (results, compute_results) in measured.items():
+        if not all(r.get("segments_ms") for r in results + compute_results):
+            continue
+        segments = medians(results, "segments_ms", SEGMENTS)
+        compute = medians(compute_results, "segments_ms", SEGMENTS)
+        busy = medians(results, "busy_ms", EXCHANGES)
+        bound = barrier_bound(compute, busy)
+        step = statistics.median(r["step_ms"] for r in results)
+        lines.append(
+            f"| {name} | {' | '.join(_fmt(segments[n]) for n in SEGMENTS)} "
+            f"| {' / '.join(_fmt(compute[n]) for n in SEGMENTS)} "
+            f"| {_fmt(busy['nvlink_weights'])} / {_fmt(busy['nic_weights'])} "
+            f"| {_fmt(busy['nvlink_gradients'])} / {_fmt(busy['nic_gradients'])} | {_fmt(bound)} "
+            f"| {_fmt(step / bound, 2)} |"
+        )
+    if len(lines) == 2:
+        return ""
+    note = (
+        "Medians: forward from the previous step's end to the loss, the wait for the "
+        "weights included; backward to the gradients being final; then clip, optimizer and the launch of the "
+        "weight all-gathers. The weights can move only after the optimizer step, which needs every gradient: "
+        "the bound is max(forward, weights' busiest link) + max(backward, gradients' busiest link) + optimizer."
+    )
+    return "\n".join([f"#### {model}, {scenario.name}: where the step goes", "", *lines, "", note, ""])
 
 
 def _baseline_of(name: str, medians: dict[str, float]) -> float:

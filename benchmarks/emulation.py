@@ -43,7 +43,12 @@ copies themselves cost a few microseconds of the lane; they are not counted as b
   Lightning's all_reduce leaves t as it is: it divides by the real one-rank group's size.
 - broadcast(t): t unchanged (rank 0 is the source);                   t bytes
 - barrier: nothing;                                                   0 bytes
-On the CPU (the dry run) the copies run inline and nothing waits; bytes are still counted.
+On the CPU (the dry run) the copies run inline and nothing waits; bytes are still counted. On a
+GPU, a collective of host tensors (a gloo group's: the preemption check's flag, the guards'
+bitmaps) runs inline too and its time is waited on the host.
+
+Each lane's busy time is also kept by purpose (PURPOSES): the engine's all-gathers carry weights,
+its reduce-scatters and all-to-alls gradients, the rest is "other".
 
 phase_timer.py times a run through phases (settings of the link rates).
 """
@@ -66,9 +71,12 @@ import lightning_sdp4bit.comm as comm
 import lightning_sdp4bit.topology as topology_module
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
-__all__ = ["FakeGroup", "Lane", "Network", "latency_ns", "message_steps", "spin_accuracy", "spin_kernel"]
+__all__ = ["PURPOSES", "FakeGroup", "Lane", "Network", "latency_ns", "message_steps", "spin_accuracy", "spin_kernel"]
 
 LIGHTNING_LANES = ("shared", "own")
+# What a collective carries: the engine's all-gathers carry weights, its reduce-scatters and
+# all-to-alls gradients; everything else (all-reduces, broadcasts, Lightning's calls) is "other".
+PURPOSES = ("weights", "gradients", "other")
 
 
 @functools.cache
@@ -174,9 +182,11 @@ class Lane:
         self.busy_ns = 0.0  # sum of the waits charged since the last reset, latency included
         self.latency_ns = 0.0  # the part of busy_ns that is latency
         self.ops = 0  # collectives run since the last reset
+        self.purpose_ns: dict[str, float] = {}  # busy_ns by what the collectives carried (PURPOSES)
 
     def reset(self) -> None:
         self.busy_ns, self.latency_ns, self.ops = 0.0, 0.0, 0
+        self.purpose_ns = {}
 
     def latency_of(self, kind: str, ranks: int) -> float:
         """Nanoseconds of latency a collective of `kind` over `ranks` ranks of this lane waits."""
@@ -185,12 +195,19 @@ class Lane:
         return latency_ns(kind, ranks, self.nodes, self.nvlink_ns, self.nic_ns)
 
     def run(
-        self, nbytes: float, latency_ns: float, tensors: tuple, loopback: Callable[[], Any], async_op: bool
+        self,
+        purpose: str,
+        nbytes: float,
+        latency_ns: float,
+        tensors: tuple,
+        loopback: Callable[[], Any],
+        async_op: bool,
     ) -> _Work | None:
-        """Copy with `loopback`, then wait latency_ns + nbytes / gbs on this lane; see the module
-        docstring."""
+        """Copy with `loopback`, then wait latency_ns + nbytes / gbs on this lane, charged to
+        `purpose` (one of PURPOSES); see the module docstring."""
         ns = (0.0 if math.isinf(self.gbs) else nbytes / self.gbs) + latency_ns  # latency_of: 0 at inf
         self.busy_ns += ns
+        self.purpose_ns[purpose] = self.purpose_ns.get(purpose, 0.0) + ns
         self.latency_ns += latency_ns
         self.ops += 1
         if self.stream is None:  # the CPU: in place, at once
@@ -264,18 +281,26 @@ class Network:
             lane.reset()
 
     def link_busy_ns(self) -> dict[str, float]:
-        """Busy time per physical link: the world lanes are charged to the link they cross;
-        "latency": the part of all lanes' busy time that was per-message latency."""
-        world = self.world.busy_ns + (self.lightning.busy_ns if self.lightning is not self.world else 0.0)
+        """Busy time per lane and per physical link (the world lanes are charged to the link they
+        cross), each link's also by purpose ("nic_weights", ...); "latency": the part of all
+        lanes' busy time that was per-message latency."""
+        worlds = [self.world] + ([self.lightning] if self.lightning is not self.world else [])
         several_nodes = self.topology.has_inter_stage
-        return {
+        links = {
+            "nvlink": [self.intra] + ([] if several_nodes else worlds),
+            "nic": [self.inter] + (worlds if several_nodes else []),
+        }
+        busy = {
             "intra": self.intra.busy_ns,
             "inter": self.inter.busy_ns,
-            "world": world,
-            "nvlink": self.intra.busy_ns + (0.0 if several_nodes else world),
-            "nic": self.inter.busy_ns + (world if several_nodes else 0.0),
+            "world": sum(lane.busy_ns for lane in worlds),
             "latency": sum(lane.latency_ns for lane in self.lanes),
         }
+        for link, lanes in links.items():
+            busy[link] = sum(lane.busy_ns for lane in lanes)
+            for purpose in PURPOSES:
+                busy[f"{link}_{purpose}"] = sum(lane.purpose_ns.get(purpose, 0.0) for lane in lanes)
+        return busy
 
     # ----------------------------------------------------------------------------------------
     # Process groups
@@ -331,7 +356,7 @@ class Network:
             output.view(ranks, input.numel()).copy_(input.reshape(1, -1).expand(ranks, -1))
 
         latency = lane.latency_of("all_gather", ranks)
-        return lane.run((ranks - 1) / ranks * output.nbytes, latency, (output, input), loopback, async_op)
+        return lane.run("weights", (ranks - 1) / ranks * output.nbytes, latency, (output, input), loopback, async_op)
 
     def reduce_scatter(self, output, input, group=None, async_op=False):
         ranks = input.numel() // output.numel()
@@ -341,35 +366,32 @@ class Network:
             output.copy_(input.reshape(ranks, -1)[0].view_as(output))
 
         latency = lane.latency_of("reduce_scatter", ranks)
-        return lane.run((ranks - 1) / ranks * input.nbytes, latency, (output, input), loopback, async_op)
+        return lane.run("gradients", (ranks - 1) / ranks * input.nbytes, latency, (output, input), loopback, async_op)
 
     def all_to_all(self, output, input, group=None, async_op=False):
         lane, ranks = self._group(group, self.world)
         nbytes, latency = (ranks - 1) / ranks * input.nbytes, lane.latency_of("all_to_all", ranks)
-        return lane.run(nbytes, latency, (output, input), lambda: output.copy_(input), async_op)
+        return lane.run("gradients", nbytes, latency, (output, input), lambda: output.copy_(input), async_op)
 
     def all_reduce(self, tensor, group=None, async_op=False):
         lane, ranks = self._group(group, self.world)
-        if not tensor.is_cuda and lane.stream is not None:  # a host all-reduce (gloo beside NCCL): no GPU lane
-            tensor.mul_(ranks)
-            return _Work(None) if async_op else None
         nbytes, latency = 2 * (ranks - 1) / ranks * tensor.nbytes, lane.latency_of("all_reduce", ranks)
-        return lane.run(nbytes, latency, (tensor,), lambda: tensor.mul_(ranks), async_op)
+        return lane.run("other", nbytes, latency, (tensor,), lambda: tensor.mul_(ranks), async_op)
 
     def broadcast(self, tensor, src=0, group=None, async_op=False):
         lane, ranks = self._group(group, self.world)
-        return lane.run(tensor.nbytes, lane.latency_of("broadcast", ranks), (tensor,), lambda: None, async_op)
+        return lane.run("other", tensor.nbytes, lane.latency_of("broadcast", ranks), (tensor,), lambda: None, async_op)
 
     # torch.distributed's signatures, for the calls Lightning and the adapter make directly.
 
     def _dist_broadcast(self, tensor, src=0, group=None, async_op=False, **kwargs):
         lane, ranks = self._dist_group(group)
-        return lane.run(tensor.nbytes, lane.latency_of("broadcast", ranks), (tensor,), lambda: None, async_op)
+        return lane.run("other", tensor.nbytes, lane.latency_of("broadcast", ranks), (tensor,), lambda: None, async_op)
 
     def _dist_all_reduce(self, tensor, op=None, group=None, async_op=False):
         lane, ranks = self._dist_group(group)
         nbytes, latency = 2 * (ranks - 1) / ranks * tensor.nbytes, lane.latency_of("all_reduce", ranks)
-        return lane.run(nbytes, latency, (tensor,), lambda: None, async_op)
+        return lane.run("other", nbytes, latency, (tensor,), lambda: None, async_op)
 
     def _dist_all_gather(self, tensor_list, tensor, group=None, async_op=False):
         lane, _ = self._dist_group(group)
@@ -379,12 +401,12 @@ class Network:
             for out in tensor_list:
                 out.copy_(tensor)
 
-        nbytes = (ranks - 1) * tensor.nbytes
-        return lane.run(nbytes, lane.latency_of("all_gather", ranks), (tensor, *tensor_list), loopback, async_op)
+        nbytes, latency = (ranks - 1) * tensor.nbytes, lane.latency_of("all_gather", ranks)
+        return lane.run("other", nbytes, latency, (tensor, *tensor_list), loopback, async_op)
 
     def _dist_barrier(self, group=None, async_op=False, device_ids=None):
         lane, ranks = self._dist_group(group)
-        return lane.run(0, lane.latency_of("barrier", ranks), (), lambda: None, async_op)
+        return lane.run("other", 0, lane.latency_of("barrier", ranks), (), lambda: None, async_op)
 
     # ----------------------------------------------------------------------------------------
     # Installing

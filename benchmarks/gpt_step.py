@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,12 +73,19 @@ def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def engine_step(model, engine, optimizer, tokens: torch.Tensor) -> None:
-    """One optimizer step through the sharded engine, in the order the Lightning adapter drives it."""
+def _no_mark(segment: str) -> None:
+    pass
+
+
+def engine_step(model, engine, optimizer, tokens: torch.Tensor, mark: Callable[[str], None] = _no_mark) -> None:
+    """One optimizer step through the sharded engine, in the order the Lightning adapter drives it.
+    `mark(segment)` at the end of the forward and of the backward (phase_timer.SEGMENTS)."""
     loss = lm_loss(model, tokens)
+    mark("forward")
     engine.before_backward()
     loss.backward()
     engine.finish_grad_sync()
+    mark("backward")
     engine.clip_grad_norm(MAX_NORM)
     engine.prepare_step()
     optimizer.step()
@@ -85,9 +93,12 @@ def engine_step(model, engine, optimizer, tokens: torch.Tensor) -> None:
     engine.start_weight_sync()
 
 
-def plain_step(model, optimizer, tokens: torch.Tensor) -> None:
+def plain_step(model, optimizer, tokens: torch.Tensor, mark: Callable[[str], None] = _no_mark) -> None:
     """The same step in plain PyTorch, without any strategy: the floor."""
-    lm_loss(model, tokens).backward()
+    loss = lm_loss(model, tokens)
+    mark("forward")
+    loss.backward()
+    mark("backward")
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

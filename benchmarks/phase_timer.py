@@ -4,6 +4,12 @@ A run is a sequence of steps; `PhaseTimer.after_step()` after each optimizer ste
 (`Network.set_rates`) at the marks, and times each phase's steps back to back with CUDA events
 on the compute stream (nothing synchronised until `results()`), so that what a step leaves in
 flight (the weight all-gathers) is charged to the next step, as in training.
+
+Segments: a step that calls `mark("forward")` and `mark("backward")` (gpt_step's steps do) is
+also timed in SEGMENTS, on the same stream: "forward" from the end of the previous step to the
+loss (waits for weights included), "backward" from there to the gradients being final (the wait
+for the last gradient exchanges included), "optimizer" from there to the end of the step (clip,
+optimizer, the launch of the weight all-gathers).
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import time
 import torch
 from emulation import Network
 
-__all__ = ["PROFILED", "Phase", "PhaseTimer"]
+__all__ = ["PROFILED", "SEGMENTS", "Phase", "PhaseTimer"]
 
 PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
+SEGMENTS = ("forward", "backward", "optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +66,20 @@ class PhaseTimer:
             count += PROFILED
         self.total_steps, self._count, self._open = count, 0, {}
         self._done: dict[str, dict] = {}
+        self._segments: list[tuple[str, object, object]] = []  # (segment, start clock, end clock)
+        self._last_clock = None  # the open phase's last segment boundary
         self._fire()
 
+    def mark(self, segment: str) -> None:
+        """The end of `segment` of the current step (counted only while a phase is timed)."""
+        if self._last_clock is not None:
+            clock = self._clock()
+            self._segments.append((segment, self._last_clock, clock))
+            self._last_clock = clock
+
     def after_step(self) -> None:
+        if self._segments and self._segments[-1][0] == SEGMENTS[-2]:  # a step that marks its segments
+            self.mark(SEGMENTS[-1])
         self._count += 1
         self._fire()
 
@@ -85,16 +103,19 @@ class PhaseTimer:
             self.network.reset()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        self._open[phase.name] = self._clock()
+        self._open[phase.name] = self._last_clock = self._clock()
+        self._segments = []
 
     def _stop(self, phase: Phase) -> None:
         end, network = self._clock(), self.network
+        self._last_clock = None
         busy = {k: v / 1e6 / self.steps for k, v in network.link_busy_ns().items()} if network else {}
         self._done[phase.name] = {
             "clocks": (self._open.pop(phase.name), end),
             "busy_ms": busy,
             "lightning_ops": network.lightning_ops / self.steps if network else 0.0,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
+            "segment_clocks": self._segments,
         }
 
     def _start_profile(self) -> None:
@@ -108,13 +129,19 @@ class PhaseTimer:
         print(f"  wrote {self.profile_path}", file=sys.stderr)
 
     def results(self) -> dict[str, dict]:
-        """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib."""
+        """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib, and
+        segments_ms (SEGMENTS -> ms per step; empty for a step that does not mark them)."""
         if self._marks:
             raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
         if self.cuda:
             torch.cuda.synchronize()
         for result in self._done.values():
-            start, end = result.pop("clocks")
-            elapsed = start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
-            result["step_ms"] = elapsed / self.steps
+            result["step_ms"] = self._elapsed_ms(*result.pop("clocks")) / self.steps
+            segments = dict.fromkeys(SEGMENTS, 0.0) if result["segment_clocks"] else {}
+            for segment, start, end in result.pop("segment_clocks"):
+                segments[segment] += self._elapsed_ms(start, end) / self.steps
+            result["segments_ms"] = segments
         return self._done
+
+    def _elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)

@@ -3,14 +3,16 @@
 Checks:
 - each loopback collective writes rank 0's share of the result (all-gather repeats the input,
   reduce-scatter keeps the first chunk, all-to-all copies, all-reduce sums identical ranks) and
-  is charged the ring's bytes per rank for its group's size, on its group's lane;
+  is charged the ring's bytes per rank for its group's size, on its group's lane, and on its
+  link by purpose (weights, gradients, other);
 - the fake process groups take the shapes of the real ones (a stage spanning the world is the
   world group, an absent one None, with one node and with one rank per node), and a group the
   emulation does not know goes to the world lane;
 - torch.distributed calls made outside comm (Lightning's) take the world lane, or their own
   lane with lightning_lane="own", and are counted; Network.install restores everything;
 - bad arguments stop the script with a message that names the flag;
-- the dry run (tiny GPT, CPU) prints a table per scenario, with every row, Lightning's
+- the dry run (tiny GPT, CPU) prints a table per scenario, with every row, and where the step
+  goes for the rows that mark their segments, Lightning's
   per-batch broadcast routed through the emulated world link, and writes the same text to
   --markdown. Its figures are not timings and nothing here asserts on them;
 - repeats: every round runs every job once, rotated, odd rounds backwards, so that no job is
@@ -96,6 +98,11 @@ def test_loopbacks_write_rank_zeros_share_and_charge_ring_bytes():
     assert network.world.busy_ns == 2 * 7 / 8 * gathered.nbytes + 2 * 7 / 8 * 8 + 8
     links = network.link_busy_ns()
     assert links["nic"] == links["inter"] + links["world"] and links["nvlink"] == links["intra"]
+    # By purpose: all-gathers carry weights, reduce-scatters and all-to-alls gradients.
+    assert links["nic_weights"] == 7 / 8 * gathered.nbytes
+    assert links["nic_gradients"] == 7 / 8 * gathered.nbytes + 1 / 2 * 12
+    assert links["nic_other"] == 2 * 7 / 8 * 8 + 8
+    assert (links["nvlink_gradients"], links["nvlink_weights"], links["nvlink_other"]) == (3 / 4 * 12, 0.0, 0.0)
 
 
 @pytest.mark.parametrize("world, ranks_per_node", [(8, 4), (8, 8), (8, 1)])
@@ -193,6 +200,10 @@ def test_dry_run_prints_every_table(tmp_path):
         ]
         assert "nan" not in table and "inf" not in table
         assert "Trainer + sdp4bit: 1.0 Lightning collectives per step" in table  # the SIGTERM broadcast
+        # Where the step goes: the rows that mark their segments (a Trainer row does not).
+        segments = _table_rows(text, f"tiny, {scenario.split(':')[0]}: where the step goes")
+        assert list(segments) == ["plain (no strategy)", "baseline", "sdp4bit"]
+        assert all(len(cells) == 8 and "nan" not in cells for cells in segments.values())
     assert out.read_text() == text
 
 
