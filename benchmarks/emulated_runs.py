@@ -160,6 +160,11 @@ def run_engine(
             engine_step(model, engine, optimizer, tokens, timer.mark)
             timer.after_step()
         results = timer.results()
+        # The bucket at both ends of the step (emulated_tables.step_bound): the last, whose
+        # weights go out first and whose gradients are final last.
+        share = engine.buckets[-1].layout.numel / sum(bucket.layout.numel for bucket in engine.buckets)
+        for result in results.values():
+            result["end_bucket_share"] = share
         engine.close()
     return results
 

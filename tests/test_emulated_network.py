@@ -203,7 +203,8 @@ def test_dry_run_prints_every_table(tmp_path):
         # Where the step goes: the rows that mark their segments (a Trainer row does not).
         segments = _table_rows(text, f"tiny, {scenario.split(':')[0]}: where the step goes")
         assert list(segments) == ["plain (no strategy)", "baseline", "sdp4bit"]
-        assert all(len(cells) == 8 and "nan" not in cells for cells in segments.values())
+        assert all(len(cells) == 9 and "nan" not in cells for cells in segments.values())
+        assert segments["plain (no strategy)"][6] == "0.0%" and segments["sdp4bit"][6] != "0.0%"  # the end bucket
     assert out.read_text() == text
 
 

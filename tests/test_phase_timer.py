@@ -1,12 +1,14 @@
-"""benchmarks/phase_timer.py's segments and emulated_tables.barrier_bound, with a clock that
-ticks one second per reading (no timing is measured here).
+"""benchmarks/phase_timer.py's segments, with a clock that ticks one second per reading (no timing
+is measured here), and emulated_tables.step_bound.
 
 - a step that marks "forward" and "backward" is timed in three segments that tile it: from the
   previous step's end to the forward mark, to the backward mark, to the end of the step;
 - steps of the warm-up, of the settle steps and after the last phase are not counted, and a run
   whose steps mark nothing (a Trainer row) reports no segments;
-- the bound with the optimizer's barrier adds the larger of the forward and the weights' busiest
-  link, the larger of the backward and the gradients' busiest link, and the optimizer.
+- the bound from the step's order adds the larger of the forward and the weights' busiest link,
+  the larger of the backward and the gradients' busiest link, and the optimizer; with an end
+  bucket, the forward waits for its share of the weights' link time first, and its share of the
+  gradients' crosses after the backward.
 """
 
 import itertools
@@ -20,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import phase_timer  # noqa: E402
-from emulated_tables import barrier_bound  # noqa: E402
+from emulated_tables import step_bound  # noqa: E402
 from phase_timer import Phase, PhaseTimer  # noqa: E402
 
 ARGS = Namespace(warmup=1, settle=1, steps=2, device=torch.device("cpu"))
@@ -53,9 +55,14 @@ def test_a_run_that_marks_nothing_reports_no_segments(ticking_clock):
     assert timer.results()["compute"]["segments_ms"] == {}
 
 
-def test_the_barrier_bound_takes_each_link_where_it_can_run():
+def test_the_step_bound_takes_each_link_where_it_can_run():
     compute = {"forward": 50.0, "backward": 100.0, "optimizer": 4.0}
     busy = {"nvlink_weights": 10.0, "nic_weights": 57.0, "nvlink_gradients": 12.0, "nic_gradients": 60.0}
-    assert barrier_bound(compute, busy) == 57.0 + 100.0 + 4.0  # the weights do not fit under the forward
+    assert step_bound(compute, busy, 0.0) == 57.0 + 100.0 + 4.0  # the weights do not fit under the forward
     busy["nic_weights"] = 30.0
-    assert barrier_bound(compute, busy) == 154.0  # everything hides: the compute-only step
+    assert step_bound(compute, busy, 0.0) == 154.0  # everything hides: the compute-only step
+    # An end bucket of 10% of the elements: 3 ms of weights before the forward, 6 ms of gradients
+    # after the backward.
+    assert step_bound(compute, busy, 0.1) == pytest.approx(3.0 + 50.0 + 100.0 + 6.0 + 4.0)
+    busy["nic_gradients"] = 200.0  # the gradients' link is the bottleneck: its end share hides in it
+    assert step_bound(compute, busy, 0.1) == pytest.approx(3.0 + 50.0 + 200.0 + 4.0)
