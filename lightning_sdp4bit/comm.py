@@ -24,6 +24,7 @@ function hands the call to it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -36,11 +37,12 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def sum_rows_into(output: Tensor, rows: Tensor) -> None:
+def sum_rows_into(output: Tensor, rows: Tensor | Sequence[Tensor]) -> None:
     """output [n] = rows[0] + rows[1] + ... + rows[P-1], added left to right in that order.
 
-    rows: [P, n]. The one definition of a cross-rank sum that gloo groups and simulated groups
-    share: a left fold in rank order, so that the result depends on nothing but the rows."""
+    rows: [P, n], or P tensors [n] (views need not be contiguous). The one definition of a
+    cross-rank sum that gloo groups and simulated groups share: a left fold in rank order, so that
+    the result depends on nothing but the rows."""
     output.copy_(rows[0])
     for row in rows[1:]:
         output.add_(row)

@@ -116,8 +116,8 @@ class SimulatedMember:
 
         def complete(pairs: list[tuple[Tensor, Tensor]]) -> None:
             sent = [inp.view(size, -1) for inp, _ in pairs]
-            for p, (_, out) in enumerate(pairs):
-                out.view(size, -1).copy_(torch.stack([sent[q][p] for q in range(size)]))
+            for p, (_, out) in enumerate(pairs):  # stacked straight into the output: one copy
+                torch.stack([sent[q][p] for q in range(size)], out=out.view(size, -1))
 
         return self.group._join(self.index, "all_to_all", (input, output), complete)
 
@@ -140,8 +140,8 @@ class SimulatedMember:
 
         def complete(pairs: list[tuple[Tensor, Tensor]]) -> None:
             sent = [inp.view(size, -1) for inp, _ in pairs]
-            for p, (_, out) in enumerate(pairs):
-                sum_rows_into(out, torch.stack([sent[q][p] for q in range(size)]))
+            for p, (_, out) in enumerate(pairs):  # the fold reads the members' chunks in place
+                sum_rows_into(out, [sent[q][p] for q in range(size)])
 
         return self.group._join(self.index, "reduce_scatter", (input, output), complete)
 
@@ -150,7 +150,7 @@ class SimulatedMember:
         self._check_async("all_reduce", async_op)
 
         def complete(pairs: list[tuple[Tensor, Tensor]]) -> None:
-            rows = torch.stack([t.reshape(-1) for t, _ in pairs])
+            rows = [t.reshape(-1) for t, _ in pairs]
             total = torch.empty_like(rows[0])
             sum_rows_into(total, rows)
             for t in _distinct(t for t, _ in pairs):
