@@ -79,7 +79,8 @@ from emulated_runs import (
     scenario_phase,
 )
 from emulated_tables import scenario_table, segment_table
-from emulation import LIGHTNING_LANES, spin_accuracy
+from emulation import LIGHTNING_LANES
+from gpu_wait import spin_accuracy
 from phase_timer import Phase
 
 from lightning_sdp4bit.topology import Topology

@@ -144,8 +144,9 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
     lines = [
         "| row | forward (ms) | backward + gradient wait (ms) | clip + optimizer (ms) "
         "| compute-only: forward / backward / optimizer (ms) | weights on NVLink / NIC (ms) "
-        "| gradients on NVLink / NIC (ms) | end bucket | bound from the step's order (ms) | step / that bound |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| gradients on NVLink / NIC (ms) | network link idle in forward / backward / optimizer (ms) "
+        "| end bucket | bound from the step's order (ms) | step / that bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     measured = {"plain (no strategy)": (plain, plain)}
     measured.update({row: ([r[scenario.name] for r in rs], [r["compute"] for r in rs]) for row, rs in runs.items()})
@@ -155,6 +156,9 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         segments = medians(results, "segments_ms", SEGMENTS)
         compute = medians(compute_results, "segments_ms", SEGMENTS)
         busy = medians(results, "busy_ms", EXCHANGES)
+        idle = "-"
+        if all(r.get("link_idle_ms") for r in results):
+            idle = " / ".join(_fmt(v) for v in medians(results, "link_idle_ms", SEGMENTS).values())
         share = statistics.median(r.get("end_bucket_share", 0.0) for r in results)
         bound = step_bound(compute, busy, share)
         step = statistics.median(r["step_ms"] for r in results)
@@ -162,7 +166,8 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
             f"| {name} | {' | '.join(_fmt(segments[n]) for n in SEGMENTS)} "
             f"| {' / '.join(_fmt(compute[n]) for n in SEGMENTS)} "
             f"| {_fmt(busy['nvlink_weights'])} / {_fmt(busy['nic_weights'])} "
-            f"| {_fmt(busy['nvlink_gradients'])} / {_fmt(busy['nic_gradients'])} | {100 * share:.1f}% | {_fmt(bound)} "
+            f"| {_fmt(busy['nvlink_gradients'])} / {_fmt(busy['nic_gradients'])} | {idle} "
+            f"| {100 * share:.1f}% | {_fmt(bound)} "
             f"| {_fmt(step / bound, 2)} |"
         )
     if len(lines) == 2:
@@ -173,7 +178,9 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         "the weights move only after the optimizer step, which needs every gradient; the forward starts once the "
         "end bucket (its share of the elements: the first the forward needs, the last the backward finishes) has "
         "crossed, and that bucket's gradients cross after the backward: max(s W + forward, W) + max(backward + s G, "
-        "G) + optimizer, W and G the busiest link's time for weights and gradients, s the end bucket's share."
+        "G) + optimizer, W and G the busiest link's time for weights and gradients, s the end bucket's share. "
+        "Network link idle: within each segment, the time no wait of the network link's lanes (the NIC across "
+        "nodes, NVLink on one node) was running: where the network waits for the GPU."
     )
     return "\n".join([f"#### {model}, {scenario.name}: where the step goes", "", *lines, "", note, ""])
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import sys
 import time
@@ -66,58 +65,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from gpu_wait import spin_kernel
 
 import lightning_sdp4bit.comm as comm
 import lightning_sdp4bit.topology as topology_module
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
-__all__ = ["PURPOSES", "FakeGroup", "Lane", "Network", "latency_ns", "message_steps", "spin_accuracy", "spin_kernel"]
+__all__ = ["PURPOSES", "FakeGroup", "Lane", "Network", "latency_ns", "message_steps"]
 
 LIGHTNING_LANES = ("shared", "own")
 # What a collective carries: the engine's all-gathers carry weights, its reduce-scatters and
 # all-to-alls gradients; everything else (all-reduces, broadcasts, Lightning's calls) is "other".
 PURPOSES = ("weights", "gradients", "other")
-
-
-@functools.cache
-def spin_kernel() -> Callable[[int], None]:
-    """A one-warp kernel that returns `ns` nanoseconds of %globaltimer after it starts.
-
-    Triton, not a CUDA extension: no nvcc needed. do_not_specialize keeps Triton from compiling
-    a variant per value of ns (it still compiles one for int32 and one for int64 values).
-    """
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _now():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-    @triton.jit(do_not_specialize=["ns"])
-    def _spin_kernel(ns):
-        start = _now()
-        now = start
-        while now - start < ns:
-            now = _now()
-
-    def spin(ns: int) -> None:
-        _spin_kernel[(1,)](ns, num_warps=1)
-
-    return spin
-
-
-@functools.cache
-def spin_accuracy(wait_ms: float = 20.0) -> float:
-    """Measured / requested time of one wait of `wait_ms`, by CUDA events (1.00 = exact). Run
-    once per process, after a first call that compiles the kernel."""
-    spin = spin_kernel()
-    spin(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    spin(int(wait_ms * 1e6))
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / wait_ms
 
 
 class _Work:
@@ -183,6 +142,9 @@ class Lane:
         self.latency_ns = 0.0  # the part of busy_ns that is latency
         self.ops = 0  # collectives run since the last reset
         self.purpose_ns: dict[str, float] = {}  # busy_ns by what the collectives carried (PURPOSES)
+        # While a list: (start, end) clocks of every wait, CUDA events on the lane's stream (host
+        # perf_counter readings on the CPU), for where in a step the link idles.
+        self.recorded: list[tuple[Any, Any]] | None = None
 
     def reset(self) -> None:
         self.busy_ns, self.latency_ns, self.ops = 0.0, 0.0, 0
@@ -211,7 +173,10 @@ class Lane:
         self.latency_ns += latency_ns
         self.ops += 1
         if self.stream is None:  # the CPU: in place, at once
+            start = time.perf_counter()
             loopback()
+            if self.recorded is not None:
+                self.recorded.append((start, time.perf_counter()))
             return _Work(None) if async_op else None
         if any(not tensor.is_cuda for tensor in tensors):
             # A host collective (a gloo group's, as the preemption check's one-int flag each
@@ -222,8 +187,15 @@ class Lane:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             loopback()
+            recording = self.recorded is not None
+            if recording:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             if ns >= 1:
                 self._spin(int(ns))
+            if recording:
+                end.record()
+                self.recorded.append((start, end))
             done = torch.cuda.Event()
             done.record()
         for tensor in tensors:  # as NCCL stashes them: not reused before the lane is done
@@ -284,12 +256,7 @@ class Network:
         """Busy time per lane and per physical link (the world lanes are charged to the link they
         cross), each link's also by purpose ("nic_weights", ...); "latency": the part of all
         lanes' busy time that was per-message latency."""
-        worlds = [self.world] + ([self.lightning] if self.lightning is not self.world else [])
-        several_nodes = self.topology.has_inter_stage
-        links = {
-            "nvlink": [self.intra] + ([] if several_nodes else worlds),
-            "nic": [self.inter] + (worlds if several_nodes else []),
-        }
+        worlds, links = self._world_lanes(), self._links()
         busy = {
             "intra": self.intra.busy_ns,
             "inter": self.inter.busy_ns,
@@ -301,6 +268,27 @@ class Network:
             for purpose in PURPOSES:
                 busy[f"{link}_{purpose}"] = sum(lane.purpose_ns.get(purpose, 0.0) for lane in lanes)
         return busy
+
+    def _world_lanes(self) -> list[Lane]:
+        return [self.world] + ([self.lightning] if self.lightning is not self.world else [])
+
+    def _links(self) -> dict[str, list[Lane]]:
+        """The lanes on each physical link: the world lanes cross the NIC when there are nodes."""
+        worlds = self._world_lanes()
+        several_nodes = self.topology.has_inter_stage
+        return {
+            "nvlink": [self.intra] + ([] if several_nodes else worlds),
+            "nic": [self.inter] + (worlds if several_nodes else []),
+        }
+
+    def record_network_link(self, on: bool) -> list[tuple[Any, Any]]:
+        """Start (on) or stop recording when the network link (the NIC across nodes, NVLink on one
+        node) is busy; stopping returns the (start, end) clocks of every wait since the start."""
+        lanes = self._links()["nic" if self.topology.has_inter_stage else "nvlink"]
+        recorded = [clocks for lane in lanes for clocks in (lane.recorded or [])]
+        for lane in lanes:
+            lane.recorded = [] if on else None
+        return recorded
 
     # ----------------------------------------------------------------------------------------
     # Process groups

@@ -9,7 +9,9 @@ Segments: a step that calls `mark("forward")` and `mark("backward")` (gpt_step's
 also timed in SEGMENTS, on the same stream: "forward" from the end of the previous step to the
 loss (waits for weights included), "backward" from there to the gradients being final (the wait
 for the last gradient exchanges included), "optimizer" from there to the end of the step (clip,
-optimizer, the launch of the weight all-gathers).
+optimizer, the launch of the weight all-gathers). While a phase is timed, the network link (the
+NIC across nodes) records when it is busy, and each segment also reports how long that link
+sat idle within it (`idle_by_segment`): where in the step the network waits for the GPU.
 """
 
 from __future__ import annotations
@@ -23,10 +25,26 @@ import time
 import torch
 from emulation import Network
 
-__all__ = ["PROFILED", "SEGMENTS", "Phase", "PhaseTimer"]
+__all__ = ["PROFILED", "SEGMENTS", "Phase", "PhaseTimer", "idle_by_segment"]
 
 PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
 SEGMENTS = ("forward", "backward", "optimizer")
+
+
+def idle_by_segment(spans: list[tuple[str, float, float]], busy: list[tuple[float, float]]) -> dict[str, float]:
+    """Per segment name, the time within its (name, start, end) spans that no (start, end)
+    interval of `busy` covers, summed (same units as the clocks; busy intervals may overlap)."""
+    merged: list[list[float]] = []
+    for start, end in sorted(busy):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    idle: dict[str, float] = {}
+    for name, start, end in spans:
+        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
+        idle[name] = idle.get(name, 0.0) + (end - start) - covered
+    return idle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +108,8 @@ class PhaseTimer:
     def _set_rates(self, phase: Phase) -> None:
         if self.network is not None:
             self.network.set_rates(phase.nvlink_gbs, phase.nic_gbs, phase.nvlink_us, phase.nic_us)
+            # From the settle steps on: the exchanges they leave in flight run into the timed steps.
+            self.network.record_network_link(True)
 
     def _clock(self):
         if not self.cuda:
@@ -109,6 +129,7 @@ class PhaseTimer:
     def _stop(self, phase: Phase) -> None:
         end, network = self._clock(), self.network
         self._last_clock = None
+        link_clocks = network.record_network_link(False) if network else []
         busy = {k: v / 1e6 / self.steps for k, v in network.link_busy_ns().items()} if network else {}
         self._done[phase.name] = {
             "clocks": (self._open.pop(phase.name), end),
@@ -116,6 +137,7 @@ class PhaseTimer:
             "lightning_ops": network.lightning_ops / self.steps if network else 0.0,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
             "segment_clocks": self._segments,
+            "link_clocks": link_clocks,
         }
 
     def _start_profile(self) -> None:
@@ -129,18 +151,25 @@ class PhaseTimer:
         print(f"  wrote {self.profile_path}", file=sys.stderr)
 
     def results(self) -> dict[str, dict]:
-        """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib, and
-        segments_ms (SEGMENTS -> ms per step; empty for a step that does not mark them)."""
+        """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib,
+        segments_ms (SEGMENTS -> ms per step; empty for a step that does not mark them) and
+        link_idle_ms (the network link's idle ms per step within each segment; empty likewise)."""
         if self._marks:
             raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
         if self.cuda:
             torch.cuda.synchronize()
         for result in self._done.values():
-            result["step_ms"] = self._elapsed_ms(*result.pop("clocks")) / self.steps
-            segments = dict.fromkeys(SEGMENTS, 0.0) if result["segment_clocks"] else {}
-            for segment, start, end in result.pop("segment_clocks"):
-                segments[segment] += self._elapsed_ms(start, end) / self.steps
+            origin, end = result.pop("clocks")
+            result["step_ms"] = self._elapsed_ms(origin, end) / self.steps
+            ms = functools.partial(self._elapsed_ms, origin)
+            spans = [(name, ms(a), ms(b)) for name, a, b in result.pop("segment_clocks")]
+            busy = [(ms(a), ms(b)) for a, b in result.pop("link_clocks")]
+            segments = dict.fromkeys(SEGMENTS, 0.0) if spans else {}
+            for name, start, stop in spans:
+                segments[name] += (stop - start) / self.steps
             result["segments_ms"] = segments
+            idle = idle_by_segment(spans, busy) if self.network is not None else {}
+            result["link_idle_ms"] = {name: ms / self.steps for name, ms in idle.items()}
         return self._done
 
     def _elapsed_ms(self, start, end) -> float:

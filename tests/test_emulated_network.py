@@ -203,8 +203,9 @@ def test_dry_run_prints_every_table(tmp_path):
         # Where the step goes: the rows that mark their segments (a Trainer row does not).
         segments = _table_rows(text, f"tiny, {scenario.split(':')[0]}: where the step goes")
         assert list(segments) == ["plain (no strategy)", "baseline", "sdp4bit"]
-        assert all(len(cells) == 9 and "nan" not in cells for cells in segments.values())
-        assert segments["plain (no strategy)"][6] == "0.0%" and segments["sdp4bit"][6] != "0.0%"  # the end bucket
+        assert all(len(cells) == 10 and "nan" not in cells for cells in segments.values())
+        assert segments["plain (no strategy)"][7] == "0.0%" and segments["sdp4bit"][7] != "0.0%"  # the end bucket
+        assert segments["plain (no strategy)"][6] == "-" and len(segments["sdp4bit"][6].split(" / ")) == 3
     assert out.read_text() == text
 
 

@@ -1,10 +1,14 @@
-"""benchmarks/phase_timer.py's segments, with a clock that ticks one second per reading (no timing
-is measured here), and emulated_tables.step_bound.
+"""benchmarks/phase_timer.py's segments and the network link's idle time within them, with a
+clock that ticks one second per reading (no timing is measured here), and
+emulated_tables.step_bound.
 
 - a step that marks "forward" and "backward" is timed in three segments that tile it: from the
   previous step's end to the forward mark, to the backward mark, to the end of the step;
 - steps of the warm-up, of the settle steps and after the last phase are not counted, and a run
   whose steps mark nothing (a Trainer row) reports no segments;
+- the network link's idle time per segment: what its busy intervals (overlapping ones merged,
+  those outside every span ignored) leave uncovered; with an emulated network, a collective in
+  the forward leaves the rest of the forward, and the backward and the optimizer, idle;
 - the bound from the step's order adds the larger of the forward and the weights' busiest link,
   the larger of the backward and the gradients' busiest link, and the optimizer; with an end
   bucket, the forward waits for its share of the weights' link time first, and its share of the
@@ -23,7 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import phase_timer  # noqa: E402
 from emulated_tables import step_bound  # noqa: E402
-from phase_timer import Phase, PhaseTimer  # noqa: E402
+from emulation import Network  # noqa: E402
+from phase_timer import Phase, PhaseTimer, idle_by_segment  # noqa: E402
+
+import lightning_sdp4bit.comm as comm  # noqa: E402
+from lightning_sdp4bit.topology import Topology  # noqa: E402
 
 ARGS = Namespace(warmup=1, settle=1, steps=2, device=torch.device("cpu"))
 
@@ -53,6 +61,31 @@ def test_a_run_that_marks_nothing_reports_no_segments(ticking_clock):
     for _ in range(timer.total_steps):
         timer.after_step()
     assert timer.results()["compute"]["segments_ms"] == {}
+
+
+def test_idle_by_segment_counts_what_no_busy_interval_covers():
+    spans = [("forward", 0.0, 10.0), ("backward", 10.0, 30.0), ("forward", 30.0, 40.0)]
+    busy = [(2.0, 5.0), (4.0, 8.0), (25.0, 35.0), (50.0, 60.0), (-5.0, 1.0)]  # overlapping, and outside
+    # forward: 0-10 less 0-1 and 2-8 -> 3; 30-40 less 30-35 -> 5. backward: 10-30 less 25-30 -> 15.
+    assert idle_by_segment(spans, busy) == {"forward": 8.0, "backward": 15.0}
+    assert idle_by_segment(spans, []) == {"forward": 20.0, "backward": 20.0}
+
+
+def test_a_collective_in_the_forward_leaves_the_link_idle_around_it(ticking_clock):
+    network = Network(torch.device("cpu"), Topology(0, 8, 4))
+    groups = network.groups()
+    timer = PhaseTimer(network, [Phase("compute"), Phase("eth100", 1.0, 1.0)], ARGS, None)
+    out, mine = torch.empty(8 * 4), torch.ones(4)
+    with network.install():
+        for _ in range(timer.total_steps):
+            comm.all_gather(out, mine, group=groups.world)  # two readings: the wait's start and end
+            timer.mark("forward")
+            timer.mark("backward")
+            timer.after_step()
+    for result in timer.results().values():
+        # forward: from the boundary, 1 s to the wait, 1 s of wait, 1 s to the mark: 2 s idle.
+        assert result["link_idle_ms"] == {"forward": 2000.0, "backward": 1000.0, "optimizer": 1000.0}
+        assert result["segments_ms"] == {"forward": 3000.0, "backward": 1000.0, "optimizer": 1000.0}
 
 
 def test_the_step_bound_takes_each_link_where_it_can_run():
