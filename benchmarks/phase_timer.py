@@ -86,6 +86,7 @@ class PhaseTimer:
         self._done: dict[str, dict] = {}
         self._segments: list[tuple[str, object, object]] = []  # (segment, start clock, end clock)
         self._last_clock = None  # the open phase's last segment boundary
+        self._recording_since = None  # the clock the network link's recorded waits are read against
         self._fire()
 
     def mark(self, segment: str) -> None:
@@ -109,7 +110,10 @@ class PhaseTimer:
         if self.network is not None:
             self.network.set_rates(phase.nvlink_gbs, phase.nic_gbs, phase.nvlink_us, phase.nic_us)
             # From the settle steps on: the exchanges they leave in flight run into the timed steps.
+            # Their clocks are read against one taken now, before any of them: every lane waits
+            # for the compute stream before its collective, so no difference is negative.
             self.network.record_network_link(True)
+            self._recording_since = self._clock()
 
     def _clock(self):
         if not self.cuda:
@@ -130,6 +134,7 @@ class PhaseTimer:
         end, network = self._clock(), self.network
         self._last_clock = None
         link_clocks = network.record_network_link(False) if network else []
+        since = self._recording_since if network else None
         busy = {k: v / 1e6 / self.steps for k, v in network.link_busy_ns().items()} if network else {}
         self._done[phase.name] = {
             "clocks": (self._open.pop(phase.name), end),
@@ -137,7 +142,7 @@ class PhaseTimer:
             "lightning_ops": network.lightning_ops / self.steps if network else 0.0,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
             "segment_clocks": self._segments,
-            "link_clocks": link_clocks,
+            "link_clocks": (since, link_clocks),
         }
 
     def _start_profile(self) -> None:
@@ -159,11 +164,12 @@ class PhaseTimer:
         if self.cuda:
             torch.cuda.synchronize()
         for result in self._done.values():
-            origin, end = result.pop("clocks")
-            result["step_ms"] = self._elapsed_ms(origin, end) / self.steps
-            ms = functools.partial(self._elapsed_ms, origin)
+            start, end = result.pop("clocks")
+            result["step_ms"] = self._elapsed_ms(start, end) / self.steps
+            since, link_clocks = result.pop("link_clocks")
+            ms = functools.partial(self._elapsed_ms, since if since is not None else start)
             spans = [(name, ms(a), ms(b)) for name, a, b in result.pop("segment_clocks")]
-            busy = [(ms(a), ms(b)) for a, b in result.pop("link_clocks")]
+            busy = [(ms(a), ms(b)) for a, b in link_clocks]
             segments = dict.fromkeys(SEGMENTS, 0.0) if spans else {}
             for name, start, stop in spans:
                 segments[name] += (stop - start) / self.steps
