@@ -42,6 +42,11 @@ def spread(steps: list[float]) -> float:
     return (max(steps) - min(steps)) / statistics.median(steps)
 
 
+def _medians(results: list[dict], key: str, names) -> dict[str, float]:
+    """name -> the median over `results` of result[key][name], a missing one counting as 0."""
+    return {n: statistics.median(r.get(key, {}).get(n, 0.0) for r in results) for n in names}
+
+
 def _summary(name: str, repeats: list[dict], compute: list[dict]) -> dict:
     """One measured row from its repeats: `repeats` the scenario's results, `compute` the
     compute-only phase's (the same for the plain row)."""
@@ -49,7 +54,7 @@ def _summary(name: str, repeats: list[dict], compute: list[dict]) -> dict:
         "name": name,
         "steps": [r["step_ms"] for r in repeats],
         "compute": statistics.median(r["step_ms"] for r in compute),
-        "busy": {k: statistics.median(r["busy_ms"].get(k, 0.0) for r in repeats) for k in LANES},
+        "busy": _medians(repeats, "busy_ms", LANES),
         "peak": max(r["peak_gib"] for r in repeats),
     }
 
@@ -136,10 +141,7 @@ def step_bound(compute: dict[str, float], busy: dict[str, float], end_share: flo
 def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
     """Where the step goes, for the plain row and the engine rows that marked their segments (a
     Trainer row does not; nor did runs written before segments were timed). A link that a row
-    does not use (the plain row's) counts as busy 0 ms."""
-
-    def medians(results: list[dict], key: str, names) -> dict[str, float]:
-        return {n: statistics.median(r.get(key, {}).get(n, 0.0) for r in results) for n in names}
+    does not use (the plain row's) counts as busy 0 ms (`_medians`)."""
 
     lines = [
         "| row | forward (ms) | backward + gradient wait (ms) | clip + optimizer (ms) "
@@ -153,12 +155,12 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
     for name, (results, compute_results) in measured.items():
         if not all(r.get("segments_ms") for r in results + compute_results):
             continue
-        segments = medians(results, "segments_ms", SEGMENTS)
-        compute = medians(compute_results, "segments_ms", SEGMENTS)
-        busy = medians(results, "busy_ms", EXCHANGES)
+        segments = _medians(results, "segments_ms", SEGMENTS)
+        compute = _medians(compute_results, "segments_ms", SEGMENTS)
+        busy = _medians(results, "busy_ms", EXCHANGES)
         idle = "-"
         if all(r.get("link_idle_ms") for r in results):
-            idle = " / ".join(_fmt(v) for v in medians(results, "link_idle_ms", SEGMENTS).values())
+            idle = " / ".join(_fmt(v) for v in _medians(results, "link_idle_ms", SEGMENTS).values())
         share = statistics.median(r.get("end_bucket_share", 0.0) for r in results)
         bound = step_bound(compute, busy, share)
         step = statistics.median(r["step_ms"] for r in results)

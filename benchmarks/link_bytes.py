@@ -45,7 +45,7 @@ PRESETS = ("baseline", "qwd", "tlq_hs", "sdp4bit", "qw+ulq")
 LINKS_GBS = {"100 Gb/s per 4-GPU node": 100 / 4 / 8, "400 Gb/s per GPU": 400 / 8}
 
 
-def bytes_per_param(preset: str, topology: Topology, args) -> tuple[float, float, float, float]:
+def bytes_per_element(preset: str, topology: Topology, args) -> tuple[float, float, float, float]:
     """(NVLink, NIC) bytes per flat-buffer element per step on rank 0, after --warmup steps, and the
     microseconds of latency the NIC charges at eth100's per-step latencies: per bucket (its
     exchanges across nodes), and per step (the world group's small all-reduces)."""
@@ -79,7 +79,7 @@ def table(topology: Topology, args) -> str:
     nodes = world // local
     ddp_flat = 2 * (world - 1) / world * 2
     ddp_two_level = 2 * (nodes - 1) / nodes * 2 / local
-    rows = {preset: bytes_per_param(preset, topology, args) for preset in PRESETS}
+    rows = {preset: bytes_per_element(preset, topology, args) for preset in PRESETS}
     lines = [
         f"#### {nodes} nodes x {local} GPUs (W = {world})",
         "",

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from link_bytes import bytes_per_param, main  # noqa: E402
+from link_bytes import bytes_per_element, main  # noqa: E402
 
 from lightning_sdp4bit.topology import Topology  # noqa: E402
 
@@ -26,10 +26,10 @@ ARGS = Namespace(layers=1, width=128, warmup=1)
 
 @pytest.mark.parametrize("nodes, local", [(2, 4), (4, 2)])
 def test_the_baseline_puts_its_two_level_bytes_on_the_nic(nodes, local):
-    nvlink, nic, _, _ = bytes_per_param("baseline", Topology(0, nodes * local, local), ARGS)
+    nvlink, nic, _, _ = bytes_per_element("baseline", Topology(0, nodes * local, local), ARGS)
     assert nic == pytest.approx((nodes - 1) / nodes * 6 / local, rel=0.02)
     assert nvlink > nic  # the intra-node stages carry the rest
-    _, compressed, per_bucket, per_step = bytes_per_param("sdp4bit", Topology(0, nodes * local, local), ARGS)
+    _, compressed, per_bucket, per_step = bytes_per_element("sdp4bit", Topology(0, nodes * local, local), ARGS)
     weights, grads = 0.5 + 4 / 2048, 0.5 + 4 / 128  # bytes per element: codes and scales
     assert compressed == pytest.approx((nodes - 1) / nodes * (weights + grads) / local, rel=0.01)
     # Per bucket: the gradients' all-to-all across nodes (M - 1 messages) and the weights' ring
