@@ -17,7 +17,7 @@ Words used here:
 
 A collective on a lane: the lane's stream waits for the caller's current stream (the inputs
 are ready), copies (rank 0's share of the result, as if every peer had sent what rank 0 sent),
-then spins on the GPU's %globaltimer for bytes / bandwidth (1 GB/s = 1 byte per ns; %globaltimer
+then waits on the GPU (gpu_wait.spin) for bytes / bandwidth of %globaltimer (1 GB/s = 1 byte per ns; %globaltimer
 counts nanoseconds whatever the SM clock does, unlike torch.cuda._sleep). `async_op=True`
 returns a work handle whose `wait()` makes the caller's current stream wait for the lane's event,
 as NCCL's does; a synchronous call waits in place.
@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_wait import spin_kernel
+from gpu_wait import spin as gpu_wait_spin
 
 import lightning_sdp4bit.comm as comm
 import lightning_sdp4bit.topology as topology_module
@@ -231,7 +231,7 @@ class Network:
         if topology.rank != 0:
             raise ValueError("the emulation plays rank 0")
         self.topology = topology
-        spin = spin_kernel() if device.type == "cuda" else None
+        spin = gpu_wait_spin if device.type == "cuda" else None
         nodes = topology.world_size // topology.ranks_per_node
         self.intra = Lane("intra", device, spin)
         self.inter, self.world = Lane("inter", device, spin, nodes), Lane("world", device, spin, nodes)
