@@ -1,0 +1,181 @@
+"""Where a profiled step's GPU time goes: a torch profiler trace summed by stream and kernel.
+
+    python benchmarks/trace_summary.py trace_plain.json trace_sdp4bit.json --steps 3
+
+For each trace (a Chrome trace from `torch.profiler`, such as `emulated_network.py --profile`
+writes; `.json` or `.json.gz`), the GPU work (kernels, copies, sets) is summed per stream and per
+kernel name, in milliseconds per step (the trace's total divided by --steps). A stream's "busy"
+is the union of its intervals, so it is the time that stream kept the GPU occupied. With two or
+more traces, a table gives each kernel name's time per step in each, largest difference first:
+what one configuration adds to another's compute stream.
+
+Beside the waits: the matrix kernels (--matrix, a name pattern) of each trace's compute stream
+are paired in order with the first trace's (the reference: a step with no emulated network),
+and each pair's time ratio is reported apart for the kernels that ran beside a --beside kernel
+(the emulation's waits, on other streams) and for those that did not: whether the instrument
+slows the work it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+from pathlib import Path
+
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def gpu_events(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its return type, template arguments and parameter list (CUTLASS
+    and ATen names run to hundreds of characters)."""
+    name = re.sub(r"^void ", "", name.replace("(anonymous namespace)::", ""))
+    name = re.sub(r"\(.*\)$", "", name)
+    while "<" in name:
+        stripped = re.sub(r"<[^<>]*>", "", name)
+        if stripped == name:
+            break
+        name = stripped
+    return name.strip()[:90]
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Microsecond (start, end) intervals -> the milliseconds they cover together."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
+
+
+def summarize(events: list[dict], steps: int) -> dict[int, dict]:
+    """Stream -> {"busy_ms", "sum_ms", "kernels": {name: (ms per step, launches per step)}}."""
+    by_stream: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        by_stream[int(e.get("args", {}).get("stream", -1))].append(e)
+    out = {}
+    for stream, items in sorted(by_stream.items()):
+        kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+        for e in items:
+            entry = kernels[short_name(e["name"])]
+            entry[0] += e["dur"] / 1e3 / steps
+            entry[1] += 1 / steps
+        out[stream] = {
+            "busy_ms": union_ms([(e["ts"], e["ts"] + e["dur"]) for e in items]) / steps,
+            "sum_ms": sum(e["dur"] for e in items) / 1e3 / steps,
+            "kernels": {k: tuple(v) for k, v in kernels.items()},
+        }
+    return out
+
+
+def stream_table(label: str, summary: dict[int, dict], top: int) -> list[str]:
+    header = "| stream | busy (ms/step) | kernel time (ms/step) | largest kernels (ms/step, launches) |"
+    lines = [f"### {label}", "", header, "|---|---|---|---|"]
+    for stream, s in sorted(summary.items(), key=lambda kv: -kv[1]["busy_ms"]):
+        biggest = sorted(s["kernels"].items(), key=lambda kv: -kv[1][0])[:top]
+        listed = "; ".join(f"{name} {ms:.2f} ({n:.0f})" for name, (ms, n) in biggest)
+        lines.append(f"| {stream} | {s['busy_ms']:.2f} | {s['sum_ms']:.2f} | {listed} |")
+    return lines + [""]
+
+
+def difference_table(labels: list[str], summaries: list[dict[int, dict]], top: int) -> list[str]:
+    """Each kernel name's time per step (all streams together) in each trace, largest spread first."""
+    totals = []
+    for summary in summaries:
+        per_name: dict[str, float] = collections.defaultdict(float)
+        for s in summary.values():
+            for name, (ms, _) in s["kernels"].items():
+                per_name[name] += ms
+        totals.append(per_name)
+    names = set().union(*totals)
+    spread = {n: max(t.get(n, 0.0) for t in totals) - min(t.get(n, 0.0) for t in totals) for n in names}
+    lines = ["| kernel | " + " | ".join(f"{label} (ms/step)" for label in labels) + " |"]
+    lines.append("|---" * (len(labels) + 1) + "|")
+    for name in sorted(names, key=lambda n: -spread[n])[:top]:
+        lines.append(f"| {name} | " + " | ".join(f"{t.get(name, 0.0):.2f}" for t in totals) + " |")
+    return lines + [""]
+
+
+def beside_table(labels: list[str], traces: list[list[dict]], steps: int, matrix: str, beside: str) -> list[str]:
+    """Per trace after the first: its kernels matching `matrix` on the stream that runs most of
+    them (the compute stream), paired in order
+    with the reference's; the median time ratio and the extra ms per step, for the pairs whose
+    kernel ran at least 90% of its time beside a `beside` kernel (other streams) and for those
+    that ran at most 10% beside one."""
+    pattern = re.compile(matrix)
+
+    def matrix_kernels(events: list[dict]) -> list[dict]:
+        chosen = [e for e in events if pattern.search(e["name"])]
+        streams = collections.Counter(int(e.get("args", {}).get("stream", -1)) for e in chosen)
+        compute = streams.most_common(1)[0][0] if streams else None
+        return sorted((e for e in chosen if int(e.get("args", {}).get("stream", -1)) == compute), key=lambda e: e["ts"])
+
+    reference = matrix_kernels(traces[0])
+    lines = [
+        f"Kernels matching `{matrix}` against {labels[0]}'s, beside `{beside}` or not:",
+        "",
+        "| trace | beside: kernels, median ratio, extra (ms/step) | not beside: the same |",
+        "|---|---|---|",
+    ]
+    for label, events in zip(labels[1:], traces[1:]):
+        kernels = matrix_kernels(events)
+        if [e["name"] for e in kernels] != [e["name"] for e in reference]:
+            lines.append(f"| {label} | its matrix kernels differ from the reference's | |")
+            continue
+        waits = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if beside in e["name"])
+        groups: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        for ours, theirs in zip(kernels, reference):
+            start, end = ours["ts"], ours["ts"] + ours["dur"]
+            covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in waits if a < end and b > start)
+            share = covered / max(ours["dur"], 1e-9)
+            if share >= 0.9 or share <= 0.1:
+                groups[share >= 0.9].append((ours["dur"], theirs["dur"]))
+        cells = []
+        for pairs in (groups[True], groups[False]):
+            if not pairs:
+                cells.append("none")
+                continue
+            ratios = sorted(a / b for a, b in pairs)
+            extra = sum(a - b for a, b in pairs) / 1e3 / steps
+            cells.append(f"{len(pairs)}, {ratios[len(ratios) // 2]:.3f}, {extra:+.2f}")
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    return lines + [""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--steps", type=int, default=3, help="steps the trace holds (phase_timer.PROFILED)")
+    parser.add_argument("--top", type=int, default=6, help="kernels named per stream")
+    parser.add_argument("--matrix", default="nvjet|gemm|sdpa|flash", help="name pattern of the kernels to pair")
+    parser.add_argument("--beside", default="_spin_kernel", help="name of the kernels to be beside (the waits)")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    for path in args.traces:
+        if not path.is_file():
+            parser.error(f"no trace file at {path}")
+    traces = [gpu_events(path) for path in args.traces]
+    summaries = [summarize(events, args.steps) for events in traces]
+    labels = [path.name.removesuffix(".gz").removesuffix(".json") for path in args.traces]
+    lines = []
+    for label, summary in zip(labels, summaries):
+        lines += stream_table(label, summary, args.top)
+    if len(summaries) > 1:
+        lines += difference_table(labels, summaries, 4 * args.top)
+        lines += beside_table(labels, traces, args.steps, args.matrix, args.beside)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

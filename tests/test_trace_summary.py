@@ -1,0 +1,55 @@
+"""benchmarks/trace_summary.py on hand-made Chrome traces: a stream's busy time is the union of
+its intervals, names lose their templates, and the kernels beside a wait are told apart."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import trace_summary  # noqa: E402
+
+
+def kernel(name, ts, dur, stream):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def write(path: Path, events: list[dict]) -> Path:
+    cpu_op = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000, "args": {}}
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": [cpu_op, *events]}, f)
+    return path
+
+
+def test_streams_are_summed_by_union_and_names_lose_their_templates(tmp_path):
+    events = [
+        kernel("void at::native::(anonymous namespace)::copy_kernel<float, 4>(float*, int)", 0, 100, 7),
+        kernel("void at::native::(anonymous namespace)::copy_kernel<float, 4>(float*, int)", 50, 100, 7),
+        kernel("nvjet_gemm", 400, 200, 7),
+        kernel("_spin_kernel", 0, 1000, 9),
+    ]
+    summary = trace_summary.summarize(trace_summary.gpu_events(write(tmp_path / "t.json.gz", events)), steps=2)
+    assert summary[7]["busy_ms"] == 0.35 / 2  # [0, 150) and [400, 600) us
+    assert summary[7]["sum_ms"] == 0.4 / 2
+    assert summary[7]["kernels"]["at::native::copy_kernel"] == (0.1, 1.0)
+    assert set(summary) == {7, 9} and summary[9]["busy_ms"] == 0.5
+
+
+def test_kernels_beside_a_wait_are_compared_apart_from_the_others(tmp_path):
+    plain = [kernel("nvjet_a", 0, 100, 7), kernel("nvjet_b", 200, 100, 7), kernel("nvjet_a", 400, 100, 7)]
+    # the first runs wholly beside a wait (15% slower), the second 30% beside (left out), the third clear
+    waited = [
+        kernel("nvjet_a", 0, 115, 3),
+        kernel("nvjet_b", 200, 100, 3),
+        kernel("nvjet_a", 400, 90, 3),
+        kernel("_spin_kernel", 0, 230, 5),
+        kernel("other_kernel", 0, 50, 3),
+    ]
+    traces = [trace_summary.gpu_events(write(tmp_path / f"{n}.json.gz", e)) for n, e in (("p", plain), ("w", waited))]
+    table = trace_summary.beside_table(["p", "w"], traces, steps=1, matrix="nvjet", beside="_spin_kernel")
+    assert table[-2] == "| w | 1, 1.150, +0.01 | 1, 0.900, -0.01 |"
+    reordered = trace_summary.beside_table(["w", "p"], traces[::-1], 1, "nvjet_a", "_spin_kernel")
+    assert reordered[-2].startswith("| p | none | 2, ")
+    mismatched = trace_summary.beside_table(["p", "w"], [traces[0], traces[1][1:]], 1, "nvjet", "_spin_kernel")
+    assert "differ" in mismatched[-2]
