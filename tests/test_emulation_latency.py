@@ -144,9 +144,11 @@ def test_a_dry_run_sweeps_bucket_sizes_with_latency():
     ]
     for size in ("0.002M", "0.2M"):  # each row against the baseline of its own bucket size
         baseline, sdp4bit = rows[f"baseline, buckets of {size}"], rows[f"sdp4bit, buckets of {size}"]
-        x_baseline = float(baseline["step (ms)"]) / float(sdp4bit["step (ms)"])
-        # Steps are printed to 0.1 ms and the ratio to 0.01: compare within that rounding.
-        assert float(sdp4bit["x baseline"]) == pytest.approx(x_baseline, rel=0.02, abs=0.006)
+        # Steps are printed to 0.1 ms and the ratio to 0.01: the ratio of the true steps lies
+        # between these bounds of the printed ones (a few ms each here, so rounding is wide).
+        b, s = float(baseline["step (ms)"]), float(sdp4bit["step (ms)"])
+        low, high = (b - 0.05) / (s + 0.05), (b + 0.05) / (s - 0.05)
+        assert low - 0.005 <= float(sdp4bit["x baseline"]) <= high + 0.005
     latency = "of which latency (ms)"
     small, large = float(rows["sdp4bit, buckets of 0.002M"][latency]), float(rows["sdp4bit, buckets of 0.2M"][latency])
     assert small > large > 0  # the tiny GPT (~0.1M parameters) in one bucket, or in dozens
