@@ -11,7 +11,8 @@ On the H200 (from the repository root; the whole --quick run, one run per row, t
         --scenarios ib400 --json 8x8.json                                          # 8 nodes x 8
     python3 benchmarks/emulated_network.py --tables-from 8x8.json                  # its tables again
     python3 benchmarks/emulated_network.py --model 1.3b --presets sdp4bit --scenarios eth100 \
-        --trainer-presets none --repeats 1 --profile trace.json                    # one row, with a trace
+        --trainer-presets none --repeats 1 --profile trace.json.gz                 # one row, with a trace
+    python3 benchmarks/trace_summary.py trace_1.3b_plain.json.gz trace_1.3b_sdp4bit_nodes.json.gz  # its GPU time
     python3 benchmarks/emulated_network.py --link-gbps 200 --scenarios custom      # 200 Gb/s per GPU
     python3 benchmarks/emulated_network.py --dry-run [--model tiny-ckpt]           # CPU, tiny GPT: no timings
 
@@ -119,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     again = "print the tables of a --json file again (its own arguments; nothing measured, other flags ignored)"
     parser.add_argument("--tables-from", default=None, metavar="JSON", help=again)
     parser.add_argument(
-        "--profile", default=None, help="write a torch profiler trace per run: PATH.json -> PATH_<run>.json"
+        "--profile", default=None, help="a torch profiler trace per run: PATH.json[.gz] -> PATH_<run>.json[.gz]"
     )
     args = parser.parse_args(argv)
     if args.tables_from:
@@ -213,11 +214,14 @@ def engine_rows(args) -> dict[str, tuple[Callable, str, int | None]]:
 
 
 def _trace_path(args, *parts: str) -> str | None:
+    """--profile's PATH.json or PATH.json.gz (the profiler gzips those) -> PATH_<run>.json[.gz]."""
     if not args.profile:
         return None
     path = Path(args.profile)
+    suffix = ".json.gz" if path.name.endswith(".json.gz") else ".json"
+    stem = path.name.removesuffix(suffix) if path.name.endswith(suffix) else path.stem
     name = "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", p) for p in parts if p)
-    return str(path.with_name(f"{path.stem}_{name}.json"))
+    return str(path.with_name(f"{stem}_{name}{suffix}"))
 
 
 def interleave(jobs: Sequence[T], repeats: int) -> list[list[T]]:

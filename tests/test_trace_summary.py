@@ -1,12 +1,15 @@
 """benchmarks/trace_summary.py on hand-made Chrome traces: a stream's busy time is the union of
-its intervals, names lose their templates, and the kernels beside a wait are told apart."""
+its intervals, names lose their templates, and the kernels beside a wait are told apart; and on
+the gzipped traces that emulated_network.py --profile writes."""
 
 import gzip
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
 import trace_summary  # noqa: E402
 
@@ -53,3 +56,25 @@ def test_kernels_beside_a_wait_are_compared_apart_from_the_others(tmp_path):
     assert reordered[-2].startswith("| p | none | 2, ")
     mismatched = trace_summary.beside_table(["p", "w"], [traces[0], traces[1][1:]], 1, "nvjet", "_spin_kernel")
     assert "differ" in mismatched[-2]
+
+
+def test_a_dry_run_writes_gzipped_traces_per_run_that_the_summary_reads(tmp_path):
+    command = [
+        sys.executable, str(BENCHMARKS / "emulated_network.py"), "--dry-run", "--presets", "sdp4bit",
+        "--trainer-presets", "none", "--repeats", "1", "--scenarios", "eth100",
+        "--profile", str(tmp_path / "t.json.gz"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    traces = sorted(p.name for p in tmp_path.iterdir())
+    assert traces == ["t_tiny_plain.json.gz", "t_tiny_sdp4bit_nodes.json.gz"]
+    for name in traces:
+        with gzip.open(tmp_path / name, "rt") as f:
+            assert any(e.get("cat") == "cpu_op" for e in json.load(f)["traceEvents"])
+    summary = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "trace_summary.py"), *(str(tmp_path / n) for n in traces)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert summary.returncode == 0 and "### t_tiny_sdp4bit_nodes" in summary.stdout, summary.stderr
