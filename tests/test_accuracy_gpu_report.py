@@ -1,0 +1,49 @@
+"""The GPU accuracy study's verdicts (benchmarks/accuracy_gpu_report.py): pending until their runs
+exist, and a "within x%" verdict says when its line is nearer than the noise."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from accuracy_gpu_report import _verdicts  # noqa: E402
+
+BASE = 1.0
+
+
+def verdict(lines: list[str], start: str) -> str:
+    (line,) = [line for line in lines if line.startswith(f"- {start}")]
+    return line
+
+
+def test_verdicts_wait_for_their_runs():
+    lines = _verdicts({"baseline": BASE}, {"baseline": 0.0}, noise=None)
+    assert all("**pending**" in line for line in lines)
+    assert "(needs baseline, qw)" in verdict(lines, "qW worse")
+
+
+def test_a_verdict_far_from_its_line_is_plain_and_one_near_it_says_so():
+    means = {"baseline": BASE, "sdp4bit": BASE * 1.0010, "qwd": BASE * 1.0002}
+    spreads = {"baseline": 0.0, "sdp4bit": 0.0005, "qwd": 0.0}
+    clear = _verdicts(means, spreads, noise=0.0004)
+    assert verdict(clear, "SDP4Bit").endswith("**holds**")  # 0.10% against a 0.25% line, noise 0.05%
+    assert verdict(clear, "qWD").endswith("**holds**")  # 0.02% against a 0.10% line, floor 0.04%
+    near = _verdicts({**means, "sdp4bit": BASE * 1.0024}, {**spreads, "sdp4bit": 0.0056}, noise=0.0013)
+    assert verdict(near, "SDP4Bit").endswith(
+        "**holds** (+0.240%; the 0.25% line is nearer than the seed spread, 0.56%: these runs do not decide it)"
+    )
+    over = _verdicts({**means, "sdp4bit": BASE * 1.0030}, {**spreads, "sdp4bit": 0.0001}, noise=0.0013)
+    expected = "**does not hold** (+0.300%; the 0.25% line is nearer than the noise floor, 0.13%"
+    assert expected in verdict(over, "SDP4Bit")
+
+
+def test_orderings_use_the_seed_spread_and_the_floor():
+    means = {"baseline": BASE, "qw": BASE + 0.02, "tlq": BASE + 0.011, "tlq_hs": BASE + 0.001, "ulq": BASE + 0.03}
+    spreads = {"baseline": 0.0, "qw": 0.0, "tlq": 0.002, "tlq_hs": 0.009, "ulq": 0.0}
+    lines = _verdicts(means, spreads, noise=0.001)
+    assert verdict(lines, "qW worse").endswith("**holds**")  # 0.02 > 10 x 0.001
+    assert verdict(lines, "TLq worse").endswith("**holds**")  # 0.010 > 0.009
+    assert verdict(lines, "ULq worse").endswith("**holds**")
+    closer = _verdicts({**means, "tlq": BASE + 0.009}, spreads, noise=0.003)
+    assert verdict(closer, "TLq worse").endswith("**does not hold**")  # 0.008 < 0.009
+    assert verdict(closer, "qW worse").endswith("**does not hold**")  # 0.02 < 10 x 0.003
