@@ -14,6 +14,10 @@ are paired in order with the first trace's (the reference: a step with no emulat
 and each pair's time ratio is reported apart for the kernels that ran beside a --beside kernel
 (the emulation's waits, on other streams) and for those that did not: whether the instrument
 slows the work it measures.
+
+With --gaps MS: the network link's idle gaps of MS or more (between the waits of the stream that
+waits longest, the NIC's lane across nodes), each with what the compute stream ran meanwhile:
+where, in the step, the network waits for the GPU.
 """
 
 from __future__ import annotations
@@ -48,21 +52,36 @@ def short_name(name: str) -> str:
     return name.strip()[:90]
 
 
+def stream_of(event: dict) -> int:
+    return int(event.get("args", {}).get("stream", -1))
+
+
+def compute_stream(events: list[dict], matrix: re.Pattern) -> int | None:
+    """The stream that runs most of the matrix kernels: the compute stream."""
+    streams = collections.Counter(stream_of(e) for e in events if matrix.search(e["name"]))
+    return streams.most_common(1)[0][0] if streams else None
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Microsecond (start, end) intervals -> the milliseconds they cover together."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total / 1e3
+    return sum(end - start for start, end in merged(intervals)) / 1e3
 
 
 def summarize(events: list[dict], steps: int) -> dict[int, dict]:
     """Stream -> {"busy_ms", "sum_ms", "kernels": {name: (ms per step, launches per step)}}."""
     by_stream: dict[int, list[dict]] = collections.defaultdict(list)
     for e in events:
-        by_stream[int(e.get("args", {}).get("stream", -1))].append(e)
+        by_stream[stream_of(e)].append(e)
     out = {}
     for stream, items in sorted(by_stream.items()):
         kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
@@ -115,10 +134,9 @@ def beside_table(labels: list[str], traces: list[list[dict]], steps: int, matrix
     pattern = re.compile(matrix)
 
     def matrix_kernels(events: list[dict]) -> list[dict]:
-        chosen = [e for e in events if pattern.search(e["name"])]
-        streams = collections.Counter(int(e.get("args", {}).get("stream", -1)) for e in chosen)
-        compute = streams.most_common(1)[0][0] if streams else None
-        return sorted((e for e in chosen if int(e.get("args", {}).get("stream", -1)) == compute), key=lambda e: e["ts"])
+        compute = compute_stream(events, pattern)
+        chosen = [e for e in events if stream_of(e) == compute and pattern.search(e["name"])]
+        return sorted(chosen, key=lambda e: e["ts"])
 
     reference = matrix_kernels(traces[0])
     lines = [
@@ -152,6 +170,44 @@ def beside_table(labels: list[str], traces: list[list[dict]], steps: int, matrix
     return lines + [""]
 
 
+def gaps_table(label: str, events: list[dict], matrix: str, beside: str, min_ms: float, top: int = 3) -> list[str]:
+    """Where the network link waits: the idle gaps of at least `min_ms` between the waits of the
+    stream that waits longest on `beside` kernels (the NIC's lane across nodes), each with what
+    the compute stream ran meanwhile. Times in ms from the trace's first GPU event."""
+    waits_by_stream: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        if beside in e["name"]:
+            waits_by_stream[stream_of(e)].append(e)
+    if not waits_by_stream:
+        return [f"{label}: no `{beside}` kernels, no network link to follow", ""]
+    link = max(waits_by_stream, key=lambda k: sum(e["dur"] for e in waits_by_stream[k]))
+    busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in waits_by_stream[link]])
+    compute = compute_stream(events, re.compile(matrix))
+    work = [e for e in events if stream_of(e) == compute]
+    origin = min(e["ts"] for e in events)
+    lines = [
+        f"{label}: the network link (stream {link}) idle for {min_ms:g} ms or more, and the compute stream "
+        f"(stream {compute}) meanwhile:",
+        "",
+        "| from (ms) | idle (ms) | compute busy (ms) | largest kernels in the gap (ms) |",
+        "|---|---|---|---|",
+    ]
+    for (_, start), (end, _) in zip(busy, busy[1:]):
+        if (end - start) / 1e3 < min_ms:
+            continue
+        inside: dict[str, float] = collections.defaultdict(float)
+        spans = []
+        for e in work:
+            a, b = max(start, e["ts"]), min(end, e["ts"] + e["dur"])
+            if a < b:
+                inside[short_name(e["name"])] += (b - a) / 1e3
+                spans.append((a, b))
+        largest = sorted(inside.items(), key=lambda kv: -kv[1])[:top]
+        named = "; ".join(f"{name} {ms:.2f}" for name, ms in largest) or "nothing"
+        lines.append(f"| {(start - origin) / 1e3:.1f} | {(end - start) / 1e3:.2f} | {union_ms(spans):.2f} | {named} |")
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
@@ -159,9 +215,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=6, help="kernels named per stream")
     parser.add_argument("--matrix", default="nvjet|gemm|sdpa|flash", help="name pattern of the kernels to pair")
     parser.add_argument("--beside", default="_spin_kernel", help="name of the kernels to be beside (the waits)")
+    parser.add_argument("--gaps", type=float, default=None, metavar="MS", help="the link's idle gaps of MS or more")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.gaps is not None and args.gaps <= 0:
+        parser.error(f"--gaps must be a positive number of milliseconds, got {args.gaps}")
     for path in args.traces:
         if not path.is_file():
             parser.error(f"no trace file at {path}")
@@ -174,6 +233,9 @@ def main() -> None:
     if len(summaries) > 1:
         lines += difference_table(labels, summaries, 4 * args.top)
         lines += beside_table(labels, traces, args.steps, args.matrix, args.beside)
+    if args.gaps is not None:
+        for label, events in zip(labels, traces):
+            lines += gaps_table(label, events, args.matrix, args.beside, args.gaps)
     print("\n".join(lines))
 
 

@@ -78,3 +78,26 @@ def test_a_dry_run_writes_gzipped_traces_per_run_that_the_summary_reads(tmp_path
         timeout=120,
     )
     assert summary.returncode == 0 and "### t_tiny_sdp4bit_nodes" in summary.stdout, summary.stderr
+
+
+def test_the_links_idle_gaps_name_what_the_compute_stream_ran(tmp_path):
+    events = [
+        kernel("_spin_kernel", 0, 1000, 5),  # the NIC's lane: waits longest
+        kernel("_spin_kernel", 4000, 1000, 5),
+        kernel("_spin_kernel", 5200, 1000, 5),  # a 0.2 ms gap: below --gaps
+        kernel("_spin_kernel", 0, 300, 6),  # NVLink's lane
+        kernel("nvjet_head", 1500, 1000, 7),
+        kernel("nvjet_head", 2600, 600, 7),
+        kernel("softmax", 3500, 1000, 7),  # half inside the gap
+    ]
+    table = trace_summary.gaps_table(
+        "t", trace_summary.gpu_events(write(tmp_path / "t.json.gz", events)), "nvjet", "_spin_kernel", 1.0
+    )
+    assert table[0].startswith(
+        "t: the network link (stream 5) idle for 1 ms or more, and the compute stream (stream 7)"
+    )
+    assert table[4:] == ["| 1.0 | 3.00 | 2.10 | nvjet_head 1.60; softmax 0.50 |", ""]
+    quiet = trace_summary.gaps_table(
+        "q", trace_summary.gpu_events(write(tmp_path / "q.json.gz", events[4:])), "nvjet", "_spin_kernel", 1.0
+    )
+    assert quiet[0] == "q: no `_spin_kernel` kernels, no network link to follow"
