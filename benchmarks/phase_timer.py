@@ -24,6 +24,7 @@ import time
 
 import torch
 from emulation import Network
+from trace_summary import merged
 
 __all__ = ["PROFILED", "SEGMENTS", "Phase", "PhaseTimer", "idle_by_segment"]
 
@@ -34,15 +35,10 @@ SEGMENTS = ("forward", "backward", "optimizer")
 def idle_by_segment(spans: list[tuple[str, float, float]], busy: list[tuple[float, float]]) -> dict[str, float]:
     """Per segment name, the time within its (name, start, end) spans that no (start, end)
     interval of `busy` covers, summed (same units as the clocks; busy intervals may overlap)."""
-    merged: list[list[float]] = []
-    for start, end in sorted(busy):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
+    covering = merged(busy)
     idle: dict[str, float] = {}
     for name, start, end in spans:
-        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
+        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in covering)
         idle[name] = idle.get(name, 0.0) + (end - start) - covered
     return idle
 

@@ -63,6 +63,7 @@ def compute_stream(events: list[dict], matrix: re.Pattern) -> int | None:
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, end) intervals, overlapping or not -> the disjoint ones that cover the same time."""
     out: list[list[float]] = []
     for start, end in sorted(intervals):
         if out and start <= out[-1][1]:
