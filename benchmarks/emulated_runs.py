@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import lightning as L
 import torch
@@ -156,7 +156,9 @@ def run_engine(
         engine.shard_optimizer(optimizer)
         tokens = spec.tokens(device)
         timer = PhaseTimer(network, phases, args, profile)
+        new_step = watch_the_turn(engine, timer)
         for _ in range(timer.total_steps):
+            new_step()
             engine_step(model, engine, optimizer, tokens, timer.mark)
             timer.after_step()
         results = timer.results()
@@ -167,6 +169,33 @@ def run_engine(
             result["end_bucket_share"] = share
         engine.close()
     return results
+
+
+def watch_the_turn(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], None]:
+    """Mark the turn from forward to backward in each step, where the network link has nothing to
+    send: `timer.point("last_weights")` when the forward first waits for bucket 0's weights (the
+    last layers': the last bucket it needs), `timer.point("first_gradients")` when the backward
+    has handed over every gradient of bucket 0 (the first it finishes). Wraps the engine's
+    entries for its module hooks; returns what to call before each step."""
+    wait_weights, on_grad_ready = engine.wait_weights, engine.on_grad_ready
+    first = len(engine.buckets[0].params)
+    state = {"waited": False, "arrived": 0}
+
+    def waiting(indices=None) -> None:
+        wait_weights(indices)
+        if indices is not None and 0 in indices and not state["waited"]:
+            state["waited"] = True
+            timer.point("last_weights")
+
+    def arrived(index: int, position: int) -> None:
+        on_grad_ready(index, position)
+        if index == 0:
+            state["arrived"] += 1
+            if state["arrived"] == first:
+                timer.point("first_gradients")
+
+    engine.wait_weights, engine.on_grad_ready = waiting, arrived
+    return lambda: state.update(waited=False, arrived=0)
 
 
 class EmulatedStrategy(SDP4BitStrategy):

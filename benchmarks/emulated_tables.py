@@ -15,8 +15,10 @@ that the step's order sets (`step_bound`). The weights can cross a link only aft
 step, which needs every gradient (clipping takes their global norm); the forward computes nothing
 before the first bucket it needs has crossed, and the last bucket's gradients cannot cross before
 the backward ends. That bucket is the same one (the first layers and the embedding: 9% of the
-1.3B GPT's elements, as its embedding is tied to the output layer), and max(compute, link)
-ignores all three.
+1.3B GPT's elements, as its embedding is tied to the output layer). Between the last bucket the
+forward needs and the first whose gradients the backward completes lies the turn (the last
+layers, the output layer and the loss, forward and backward), when the link has nothing to send.
+max(compute, link) ignores all four.
 """
 
 from __future__ import annotations
@@ -122,19 +124,23 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
     return "\n".join(lines)
 
 
-def step_bound(compute: dict[str, float], busy: dict[str, float], end_share: float) -> float:
+def step_bound(
+    compute: dict[str, float], busy: dict[str, float], end_share: float, tail: float = 0.0, head: float = 0.0
+) -> float:
     """The least a step can take given its order, in ms: `compute` the compute-only segments,
     `busy` the links' busy time by purpose, `end_share` the elements' share of the bucket at both
     ends (the first the forward needs, the last whose gradients are final), whose link time is
-    taken as that share of its purpose's (compression works per element):
+    taken as that share of its purpose's (compression works per element); `tail` the forward's
+    compute after it waits for its last bucket, `head` the backward's before its first bucket's
+    gradients are complete (the turn, when the link has nothing to send):
 
-        max(s W + forward, W) + max(backward + s G, G) + optimizer,
+        max(s W + forward, W + tail) + max(backward + s G, head + G) + optimizer,
 
     W and G the busiest link's time for weights and for gradients."""
     weights = max(busy["nvlink_weights"], busy["nic_weights"])
     gradients = max(busy["nvlink_gradients"], busy["nic_gradients"])
-    forward = max(end_share * weights + compute["forward"], weights)
-    backward = max(compute["backward"] + end_share * gradients, gradients)
+    forward = max(end_share * weights + compute["forward"], weights + tail)
+    backward = max(compute["backward"] + end_share * gradients, head + gradients)
     return forward + backward + compute["optimizer"]
 
 
@@ -147,8 +153,9 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         "| row | forward (ms) | backward + gradient wait (ms) | clip + optimizer (ms) "
         "| compute-only: forward / backward / optimizer (ms) | weights on NVLink / NIC (ms) "
         "| gradients on NVLink / NIC (ms) | network link idle in forward / backward / optimizer (ms) "
-        "| end bucket | bound from the step's order (ms) | step / that bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| end bucket | the turn: forward tail / backward head (ms) | bound from the step's order (ms) "
+        "| step / that bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     measured = {"plain (no strategy)": (plain, plain)}
     measured.update({row: ([r[scenario.name] for r in rs], [r["compute"] for r in rs]) for row, rs in runs.items()})
@@ -162,14 +169,20 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         if all(r.get("link_idle_ms") for r in results):
             idle = " / ".join(_fmt(v) for v in _medians(results, "link_idle_ms", SEGMENTS).values())
         share = statistics.median(r.get("end_bucket_share", 0.0) for r in results)
-        bound = step_bound(compute, busy, share)
+        turn = "-"
+        tail = head = 0.0
+        if all({"last_weights", "first_gradients"} <= set(r.get("points_ms", {})) for r in compute_results):
+            tail = -statistics.median(r["points_ms"]["last_weights"] for r in compute_results)
+            head = statistics.median(r["points_ms"]["first_gradients"] for r in compute_results)
+            turn = f"{_fmt(tail)} / {_fmt(head)}"
+        bound = step_bound(compute, busy, share, tail, head)
         step = statistics.median(r["step_ms"] for r in results)
         lines.append(
             f"| {name} | {' | '.join(_fmt(segments[n]) for n in SEGMENTS)} "
             f"| {' / '.join(_fmt(compute[n]) for n in SEGMENTS)} "
             f"| {_fmt(busy['nvlink_weights'])} / {_fmt(busy['nic_weights'])} "
             f"| {_fmt(busy['nvlink_gradients'])} / {_fmt(busy['nic_gradients'])} | {idle} "
-            f"| {100 * share:.1f}% | {_fmt(bound)} "
+            f"| {100 * share:.1f}% | {turn} | {_fmt(bound)} "
             f"| {_fmt(step / bound, 2)} |"
         )
     if len(lines) == 2:
@@ -179,8 +192,10 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         "to the gradients being final; then clip, optimizer and the launch of the weight all-gathers. The bound: "
         "the weights move only after the optimizer step, which needs every gradient; the forward starts once the "
         "end bucket (its share of the elements: the first the forward needs, the last the backward finishes) has "
-        "crossed, and that bucket's gradients cross after the backward: max(s W + forward, W) + max(backward + s G, "
-        "G) + optimizer, W and G the busiest link's time for weights and gradients, s the end bucket's share. "
+        "crossed, and that bucket's gradients cross after the backward; the forward still computes after its last "
+        "bucket has crossed (its tail), and the backward before its first bucket's gradients are complete (its "
+        "head), both in the compute-only phase: max(s W + forward, W + tail) + max(backward + s G, head + G) + "
+        "optimizer, W and G the busiest link's time for weights and gradients, s the end bucket's share. "
         "Network link idle: within each segment, the time no wait of the network link's lanes (the NIC across "
         "nodes, NVLink on one node) was running: where the network waits for the GPU."
     )

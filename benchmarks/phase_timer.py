@@ -12,6 +12,9 @@ for the last gradient exchanges included), "optimizer" from there to the end of 
 optimizer, the launch of the weight all-gathers). While a phase is timed, the network link (the
 NIC across nodes) records when it is busy, and each segment also reports how long that link
 sat idle within it (`idle_by_segment`): where in the step the network waits for the GPU.
+A `point(name)` within a marked step is reported as its offset from the step's forward mark
+(emulated_runs marks when the forward waits for its last bucket and when the backward has
+finished its first: the ends of the turn from forward to backward).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 import sys
 import time
 
@@ -92,6 +96,12 @@ class PhaseTimer:
             self._segments.append((segment, self._last_clock, clock))
             self._last_clock = clock
 
+    def point(self, name: str) -> None:
+        """A moment of the current step (counted only while a phase is timed, in a step that marks
+        its segments): `results()` gives its mean offset from the step's forward mark."""
+        if self._last_clock is not None:
+            self._points.append((name, len(self._segments), self._clock()))
+
     def after_step(self) -> None:
         if self._segments and self._segments[-1][0] == SEGMENTS[-2]:  # a step that marks its segments
             self.mark(SEGMENTS[-1])
@@ -124,7 +134,7 @@ class PhaseTimer:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._open[phase.name] = self._last_clock = self._clock()
-        self._segments = []
+        self._segments, self._points = [], []
 
     def _stop(self, phase: Phase) -> None:
         end, network = self._clock(), self.network
@@ -138,6 +148,7 @@ class PhaseTimer:
             "lightning_ops": network.lightning_ops / self.steps if network else 0.0,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
             "segment_clocks": self._segments,
+            "point_clocks": self._points,
             "link_clocks": (since, link_clocks),
         }
 
@@ -154,7 +165,8 @@ class PhaseTimer:
     def results(self) -> dict[str, dict]:
         """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib,
         segments_ms (SEGMENTS -> ms per step; empty for a step that does not mark them) and
-        link_idle_ms (the network link's idle ms per step within each segment; empty likewise)."""
+        link_idle_ms (the network link's idle ms per step within each segment; empty likewise) and
+        points_ms (each `point` name -> its mean ms from its step's forward mark, negative before)."""
         if self._marks:
             raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
         if self.cuda:
@@ -172,6 +184,12 @@ class PhaseTimer:
             result["segments_ms"] = segments
             idle = idle_by_segment(spans, busy) if self.network is not None else {}
             result["link_idle_ms"] = {name: ms / self.steps for name, ms in idle.items()}
+            offsets: dict[str, list[float]] = {}
+            for name, recorded, clock in result.pop("point_clocks"):
+                forward = len(SEGMENTS) * (recorded // len(SEGMENTS))  # the step's first segment
+                if forward < len(spans) and spans[forward][0] == SEGMENTS[0]:
+                    offsets.setdefault(name, []).append(ms(clock) - spans[forward][2])
+            result["points_ms"] = {name: statistics.fmean(values) for name, values in offsets.items()}
         return self._done
 
     def _elapsed_ms(self, start, end) -> float:

@@ -189,9 +189,15 @@ def test_dry_run_prints_every_table(tmp_path):
         # Where the step goes: the rows that mark their segments (a Trainer row does not).
         segments = _table_rows(text, f"tiny, {scenario.split(':')[0]}: where the step goes")
         assert list(segments) == ["plain (no strategy)", "baseline", "sdp4bit"]
-        assert all(len(cells) == 10 and "nan" not in cells for cells in segments.values())
+        assert all(len(cells) == 11 and "nan" not in cells for cells in segments.values())
         assert segments["plain (no strategy)"][7] == "0.0%" and segments["sdp4bit"][7] != "0.0%"  # the end bucket
         assert segments["plain (no strategy)"][6] == "-" and len(segments["sdp4bit"][6].split(" / ")) == 3
+        # The turn, from the compute-only phase: within the forward and the backward it bounds.
+        assert segments["plain (no strategy)"][8] == "-"
+        for row in ("baseline", "sdp4bit"):
+            tail, head = map(float, segments[row][8].split(" / "))
+            forward, backward, _ = map(float, segments[row][3].split(" / "))
+            assert 0 < tail <= forward + 0.1 and 0 < head <= backward + 0.1
     assert out.read_text() == text
 
 

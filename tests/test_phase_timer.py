@@ -12,7 +12,9 @@ emulated_tables.step_bound.
 - the bound from the step's order adds the larger of the forward and the weights' busiest link,
   the larger of the backward and the gradients' busiest link, and the optimizer; with an end
   bucket, the forward waits for its share of the weights' link time first, and its share of the
-  gradients' crosses after the backward.
+  gradients' crosses after the backward; the turn's forward tail follows the weights, and its
+  backward head precedes the gradients;
+- a point within a marked step is read against that step's forward mark.
 """
 
 import itertools
@@ -99,3 +101,27 @@ def test_the_step_bound_takes_each_link_where_it_can_run():
     assert step_bound(compute, busy, 0.1) == pytest.approx(3.0 + 50.0 + 100.0 + 6.0 + 4.0)
     busy["nic_gradients"] = 200.0  # the gradients' link is the bottleneck: its end share hides in it
     assert step_bound(compute, busy, 0.1) == pytest.approx(3.0 + 50.0 + 200.0 + 4.0)
+    # The turn: the forward computes 8 ms after its last bucket crossed, the backward 15 ms
+    # before its first bucket's gradients are complete; the link waits through both.
+    busy["nic_weights"], busy["nic_gradients"] = 57.0, 90.0
+    assert step_bound(compute, busy, 0.0, tail=8.0, head=15.0) == 57.0 + 8.0 + 15.0 + 90.0 + 4.0
+    assert step_bound(compute, busy, 0.0, tail=8.0, head=5.0) == 57.0 + 8.0 + 100.0 + 4.0  # the backward hides it
+
+
+def test_points_are_read_against_their_steps_forward_mark(ticking_clock):
+    timer = PhaseTimer(None, [Phase("compute"), Phase("eth100", 1.0, 1.0)], ARGS, None)
+    for _ in range(timer.total_steps):
+        timer.point("last_weights")  # one reading (1 s) before the forward mark
+        timer.mark("forward")
+        timer.point("first_gradients")
+        timer.point("first_gradients")  # a second reading in the step: each counts
+        timer.mark("backward")
+        timer.after_step()
+    for result in timer.results().values():
+        assert result["points_ms"] == {"last_weights": -1000.0, "first_gradients": 1500.0}
+        assert result["segments_ms"] == {"forward": 2000.0, "backward": 3000.0, "optimizer": 1000.0}
+    unmarked = PhaseTimer(None, [Phase("compute")], ARGS, None)
+    for _ in range(unmarked.total_steps):
+        unmarked.point("last_weights")
+        unmarked.after_step()
+    assert unmarked.results()["compute"]["points_ms"] == {}
