@@ -113,16 +113,22 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
 
     base = means.get("baseline", float("nan"))
 
-    def near_the_line(preset: str, limit: float) -> str:
+    def within(preset: str, limit: float, two_sided: bool, text: str) -> str:
+        """`preset` within `limit` of baseline (|off| <= limit if two_sided, else off <= limit),
+        judged, with a note when the line lies nearer the measured value than the noise."""
         if preset not in means or "baseline" not in means:
-            return ""
+            return judge(["baseline", preset], lambda: False, text)
         off = means[preset] / base - 1
-        seeds = spreads[preset] / base
-        wide = max(seeds, (noise or 0.0) / base)
-        if abs(abs(off) - limit) >= wide:
-            return ""
-        which = "seed spread" if seeds >= (noise or 0.0) / base else "noise floor"
-        return f"{off:+.3%}; the {limit:.2%} line is nearer than the {which}, {wide:.2%}: these runs do not decide it"
+        distance = limit - (abs(off) if two_sided else off)  # > 0: inside the line
+        seeds, floor = spreads[preset] / base, (noise or 0.0) / base
+        near = ""
+        if abs(distance) < max(seeds, floor):
+            which = "seed spread" if seeds >= floor else "noise floor"
+            near = (
+                f"{off:+.3%}; the {limit:.2%} line is nearer than the {which}, {max(seeds, floor):.2%}: "
+                "these runs do not decide it"
+            )
+        return judge(["baseline", preset], lambda: distance >= 0, text, near)
 
     return [
         judge(
@@ -130,24 +136,14 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
             lambda: means["qw"] - base > 10 * noise,
             "qW worse than baseline by more than 10x the noise floor",
         ),
-        judge(
-            ["baseline", "qwd"],
-            lambda: abs(means["qwd"] / base - 1) <= 0.001,
-            "qWD within 0.1% of baseline",
-            near_the_line("qwd", 0.001),
-        ),
+        within("qwd", 0.001, True, "qWD within 0.1% of baseline"),
         judge(
             ["tlq", "tlq_hs"],
             lambda: means["tlq"] - means["tlq_hs"] > max(spreads["tlq"], spreads["tlq_hs"]),
             "TLq worse than TLq-HS by more than their seed spread",
         ),
         judge(["ulq", "tlq"], lambda: means["ulq"] > means["tlq"], "ULq worse than TLq"),
-        judge(
-            ["baseline", "sdp4bit"],
-            lambda: means["sdp4bit"] / base - 1 <= 0.0025,
-            "SDP4Bit within 0.25% of baseline",
-            near_the_line("sdp4bit", 0.0025),
-        ),
+        within("sdp4bit", 0.0025, False, "SDP4Bit within 0.25% of baseline"),
     ]
 
 

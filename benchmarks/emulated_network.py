@@ -283,13 +283,13 @@ def tabulate(model: str, raw: list[dict], args) -> list[str]:
     def repeats(row: str, key: str) -> list[dict]:
         return sorted((r for r in raw if (r["model"], r["row"], r["topology"]) == (model, row, key)), key=_round)
 
-    rows = list(engine_rows(args))
+    rows, plain = list(engine_rows(args)), repeats("plain", "")
     tables = []
     for key, (_, phases) in _topologies(args).items():
         by_row = {row: repeats(row, key) for row in rows}
         for phase in phases[1:]:
-            tables.append(scenario_table(model, phase, repeats("plain", ""), by_row, args))
-            segments = segment_table(model, phase, repeats("plain", ""), by_row)
+            tables.append(scenario_table(model, phase, plain, by_row, args))
+            segments = segment_table(model, phase, plain, by_row)
             tables += [segments] if segments else []
     return tables
 

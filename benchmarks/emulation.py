@@ -17,8 +17,8 @@ Words used here:
 
 A collective on a lane: the lane's stream waits for the caller's current stream (the inputs
 are ready), copies (rank 0's share of the result, as if every peer had sent what rank 0 sent),
-then waits on the GPU (gpu_wait.spin) for bytes / bandwidth of %globaltimer (1 GB/s = 1 byte per ns; %globaltimer
-counts nanoseconds whatever the SM clock does, unlike torch.cuda._sleep). `async_op=True`
+then waits bytes / bandwidth on the GPU's %globaltimer (gpu_wait.spin; 1 GB/s = 1 byte per ns;
+%globaltimer counts nanoseconds whatever the SM clock does, unlike torch.cuda._sleep). `async_op=True`
 returns a work handle whose `wait()` makes the caller's current stream wait for the lane's event,
 as NCCL's does; a synchronous call waits in place.
 

@@ -4,7 +4,7 @@ emulated network's stand-in for bytes on a wire (emulation.Lane).
 The waiting warp naps between its reads of the clock while more than 4 us are left (a
 nanosleep of 1 us sleeps 0-2 us, so no nap overshoots the wait), then reads it back to back. A
 warp that reads the clock back to back takes issue slots from whatever shares its SM: on the
-H200 the GEMMs that ran beside such a wait were 12% slower (median over 600 of them against the
+H200 the GEMMs that ran beside such a wait were 11.5% slower (median over 592 of them against the
 same GEMMs in a step with no waits, 2026-12-02), so the emulated network charged its own
 overhead to the step. Triton, not a CUDA extension: no nvcc needed.
 """

@@ -28,7 +28,7 @@ import time
 
 import torch
 from emulation import Network
-from trace_summary import merged
+from trace_summary import covered, merged
 
 __all__ = ["PROFILED", "SEGMENTS", "Phase", "PhaseTimer", "idle_by_segment"]
 
@@ -42,8 +42,7 @@ def idle_by_segment(spans: list[tuple[str, float, float]], busy: list[tuple[floa
     covering = merged(busy)
     idle: dict[str, float] = {}
     for name, start, end in spans:
-        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in covering)
-        idle[name] = idle.get(name, 0.0) + (end - start) - covered
+        idle[name] = idle.get(name, 0.0) + (end - start) - covered(start, end, covering)
     return idle
 
 

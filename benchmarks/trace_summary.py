@@ -73,6 +73,11 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
+def covered(start: float, end: float, disjoint: list[tuple[float, float]]) -> float:
+    """How much of [start, end) the `disjoint` intervals (`merged`'s) cover, in their units."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in disjoint)
+
+
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Microsecond (start, end) intervals -> the milliseconds they cover together."""
     return sum(end - start for start, end in merged(intervals)) / 1e3
@@ -151,12 +156,11 @@ def beside_table(labels: list[str], traces: list[list[dict]], steps: int, matrix
         if [e["name"] for e in kernels] != [e["name"] for e in reference]:
             lines.append(f"| {label} | its matrix kernels differ from the reference's | |")
             continue
-        waits = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if beside in e["name"])
+        waits = merged([(e["ts"], e["ts"] + e["dur"]) for e in events if beside in e["name"]])
         groups: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         for ours, theirs in zip(kernels, reference):
             start, end = ours["ts"], ours["ts"] + ours["dur"]
-            covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in waits if a < end and b > start)
-            share = covered / max(ours["dur"], 1e-9)
+            share = covered(start, end, waits) / max(ours["dur"], 1e-9)
             if share >= 0.9 or share <= 0.1:
                 groups[share >= 0.9].append((ours["dur"], theirs["dur"]))
         cells = []

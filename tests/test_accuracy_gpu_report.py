@@ -47,3 +47,15 @@ def test_orderings_use_the_seed_spread_and_the_floor():
     closer = _verdicts({**means, "tlq": BASE + 0.009}, spreads, noise=0.003)
     assert verdict(closer, "TLq worse").endswith("**does not hold**")  # 0.008 < 0.009
     assert verdict(closer, "qW worse").endswith("**does not hold**")  # 0.02 < 10 x 0.003
+
+
+def test_a_one_sided_line_is_not_near_a_preset_better_than_baseline():
+    """SDP4Bit's target is one-sided: 0.2% below baseline is 0.45% inside its 0.25% line, farther
+    than a 0.3% seed spread, so the verdict is plain; qWD's is two-sided, so 0.08% below baseline
+    is 0.02% inside its 0.1% line."""
+    means = {"baseline": BASE, "sdp4bit": BASE * 0.998, "qwd": BASE * 0.9992}
+    lines = _verdicts(means, {"baseline": 0.0, "sdp4bit": 0.003, "qwd": 0.0}, noise=0.0004)
+    assert verdict(lines, "SDP4Bit").endswith("**holds**")
+    assert verdict(lines, "qWD").endswith(
+        "**holds** (-0.080%; the 0.10% line is nearer than the noise floor, 0.04%: these runs do not decide it)"
+    )
