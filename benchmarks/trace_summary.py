@@ -17,7 +17,9 @@ slows the work it measures.
 
 With --gaps MS: the network link's idle gaps of MS or more (between the waits of the stream that
 waits longest, the NIC's lane across nodes), each with what the compute stream ran meanwhile:
-where, in the step, the network waits for the GPU.
+where, in the step, the network waits for the GPU. With --idle MS: the compute stream's idle
+gaps, with what the other streams ran meanwhile: a gap they fill waits for an exchange's kernels,
+a gap they leave empty waits for the host.
 """
 
 from __future__ import annotations
@@ -175,7 +177,31 @@ def beside_table(labels: list[str], traces: list[list[dict]], steps: int, matrix
     return lines + [""]
 
 
-def gaps_table(label: str, events: list[dict], matrix: str, beside: str, min_ms: float, top: int = 3) -> list[str]:
+def activity_rows(gaps: list[tuple[float, float]], work: list[dict], origin: float, top: int = 3) -> list[str]:
+    """A table row per gap (start, end in us): its start and length, how long `work` kept the GPU
+    busy within it, and the kernels that took most of that time (all in ms)."""
+    rows = []
+    for start, end in gaps:
+        inside: dict[str, float] = collections.defaultdict(float)
+        spans = []
+        for e in work:
+            a, b = max(start, e["ts"]), min(end, e["ts"] + e["dur"])
+            if a < b:
+                inside[short_name(e["name"])] += (b - a) / 1e3
+                spans.append((a, b))
+        largest = sorted(inside.items(), key=lambda kv: -kv[1])[:top]
+        named = "; ".join(f"{name} {ms:.2f}" for name, ms in largest) or "nothing"
+        rows.append(f"| {(start - origin) / 1e3:.1f} | {(end - start) / 1e3:.2f} | {union_ms(spans):.2f} | {named} |")
+    return rows
+
+
+def idle_gaps(intervals: list[tuple[float, float]], min_ms: float) -> list[tuple[float, float]]:
+    """The gaps of at least `min_ms` between a stream's merged busy intervals (us)."""
+    busy = merged(intervals)
+    return [(start, end) for (_, start), (end, _) in zip(busy, busy[1:]) if (end - start) / 1e3 >= min_ms]
+
+
+def gaps_table(label: str, events: list[dict], matrix: str, beside: str, min_ms: float) -> list[str]:
     """Where the network link waits: the idle gaps of at least `min_ms` between the waits of the
     stream that waits longest on `beside` kernels (the NIC's lane across nodes), each with what
     the compute stream ran meanwhile. Times in ms from the trace's first GPU event."""
@@ -186,10 +212,9 @@ def gaps_table(label: str, events: list[dict], matrix: str, beside: str, min_ms:
     if not waits_by_stream:
         return [f"{label}: no `{beside}` kernels, no network link to follow", ""]
     link = max(waits_by_stream, key=lambda k: sum(e["dur"] for e in waits_by_stream[k]))
-    busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in waits_by_stream[link]])
+    gaps = idle_gaps([(e["ts"], e["ts"] + e["dur"]) for e in waits_by_stream[link]], min_ms)
     compute = compute_stream(events, re.compile(matrix))
     work = [e for e in events if stream_of(e) == compute]
-    origin = min(e["ts"] for e in events)
     lines = [
         f"{label}: the network link (stream {link}) idle for {min_ms:g} ms or more, and the compute stream "
         f"(stream {compute}) meanwhile:",
@@ -197,20 +222,26 @@ def gaps_table(label: str, events: list[dict], matrix: str, beside: str, min_ms:
         "| from (ms) | idle (ms) | compute busy (ms) | largest kernels in the gap (ms) |",
         "|---|---|---|---|",
     ]
-    for (_, start), (end, _) in zip(busy, busy[1:]):
-        if (end - start) / 1e3 < min_ms:
-            continue
-        inside: dict[str, float] = collections.defaultdict(float)
-        spans = []
-        for e in work:
-            a, b = max(start, e["ts"]), min(end, e["ts"] + e["dur"])
-            if a < b:
-                inside[short_name(e["name"])] += (b - a) / 1e3
-                spans.append((a, b))
-        largest = sorted(inside.items(), key=lambda kv: -kv[1])[:top]
-        named = "; ".join(f"{name} {ms:.2f}" for name, ms in largest) or "nothing"
-        lines.append(f"| {(start - origin) / 1e3:.1f} | {(end - start) / 1e3:.2f} | {union_ms(spans):.2f} | {named} |")
-    return lines + [""]
+    return lines + activity_rows(gaps, work, min(e["ts"] for e in events)) + [""]
+
+
+def idle_table(label: str, events: list[dict], matrix: str, min_ms: float) -> list[str]:
+    """Where the compute stream waits: its idle gaps of at least `min_ms`, each with what every
+    other stream ran meanwhile. A gap the other streams fill is a wait for their work (an
+    exchange's kernels); a gap they leave empty too is the host's (launches, a sync)."""
+    compute = compute_stream(events, re.compile(matrix))
+    own = [(e["ts"], e["ts"] + e["dur"]) for e in events if stream_of(e) == compute]
+    others = [e for e in events if stream_of(e) != compute]
+    gaps = idle_gaps(own, min_ms)
+    total = sum(end - start for start, end in gaps) / 1e3
+    lines = [
+        f"{label}: the compute stream (stream {compute}) idle for {min_ms:g} ms or more ({len(gaps)} gaps, "
+        f"{total:.2f} ms in all), and the other streams meanwhile:",
+        "",
+        "| from (ms) | idle (ms) | other streams busy (ms) | largest kernels in the gap (ms) |",
+        "|---|---|---|---|",
+    ]
+    return lines + activity_rows(gaps, others, min(e["ts"] for e in events)) + [""]
 
 
 def main() -> None:
@@ -221,11 +252,14 @@ def main() -> None:
     parser.add_argument("--matrix", default="nvjet|gemm|sdpa|flash", help="name pattern of the kernels to pair")
     parser.add_argument("--beside", default="_spin_kernel", help="name of the kernels to be beside (the waits)")
     parser.add_argument("--gaps", type=float, default=None, metavar="MS", help="the link's idle gaps of MS or more")
+    idle = "the compute stream's idle gaps of MS or more, with what the other streams ran meanwhile"
+    parser.add_argument("--idle", type=float, default=None, metavar="MS", help=idle)
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    if args.gaps is not None and args.gaps <= 0:
-        parser.error(f"--gaps must be a positive number of milliseconds, got {args.gaps}")
+    for flag, value in (("--gaps", args.gaps), ("--idle", args.idle)):
+        if value is not None and value <= 0:
+            parser.error(f"{flag} must be a positive number of milliseconds, got {value}")
     for path in args.traces:
         if not path.is_file():
             parser.error(f"no trace file at {path}")
@@ -241,6 +275,9 @@ def main() -> None:
     if args.gaps is not None:
         for label, events in zip(labels, traces):
             lines += gaps_table(label, events, args.matrix, args.beside, args.gaps)
+    if args.idle is not None:
+        for label, events in zip(labels, traces):
+            lines += idle_table(label, events, args.matrix, args.idle)
     print("\n".join(lines))
 
 

@@ -101,3 +101,19 @@ def test_the_links_idle_gaps_name_what_the_compute_stream_ran(tmp_path):
         "q", trace_summary.gpu_events(write(tmp_path / "q.json.gz", events[4:])), "nvjet", "_spin_kernel", 1.0
     )
     assert quiet[0] == "q: no `_spin_kernel` kernels, no network link to follow"
+
+
+def test_the_compute_streams_idle_gaps_say_whether_another_stream_filled_them(tmp_path):
+    events = [
+        kernel("nvjet_a", 0, 1000, 7),
+        kernel("nvjet_a", 2000, 1000, 7),  # a 1 ms gap, filled by an exchange's kernel
+        kernel("nvjet_a", 3100, 900, 7),  # a 0.1 ms gap: below --idle
+        kernel("nvjet_a", 6000, 1000, 7),  # a 2 ms gap nothing fills: the host's
+        kernel("_encode_kernel", 1200, 600, 9),
+    ]
+    table = trace_summary.idle_table("t", trace_summary.gpu_events(write(tmp_path / "t.json.gz", events)), "nvjet", 0.5)
+    assert table[0] == (
+        "t: the compute stream (stream 7) idle for 0.5 ms or more (2 gaps, 3.00 ms in all), and the other streams "
+        "meanwhile:"
+    )
+    assert table[4:] == ["| 1.0 | 1.00 | 0.60 | _encode_kernel 0.60 |", "| 4.0 | 2.00 | 0.00 | nothing |", ""]
