@@ -141,6 +141,10 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
             ["tlq", "tlq_hs"],
             lambda: means["tlq"] - means["tlq_hs"] > max(spreads["tlq"], spreads["tlq_hs"]),
             "TLq worse than TLq-HS by more than their seed spread",
+            "tlq" in means
+            and "tlq_hs" in means
+            and f"TLq {means['tlq'] - means['tlq_hs']:+.5f} nats against TLq-HS; seed spread "
+            f"{max(spreads['tlq'], spreads['tlq_hs']):.5f}; the paper 0.0095",
         ),
         judge(["ulq", "tlq"], lambda: means["ulq"] > means["tlq"], "ULq worse than TLq"),
         within("sdp4bit", 0.0025, False, "SDP4Bit within 0.25% of baseline"),

@@ -42,10 +42,14 @@ def test_orderings_use_the_seed_spread_and_the_floor():
     spreads = {"baseline": 0.0, "qw": 0.0, "tlq": 0.002, "tlq_hs": 0.009, "ulq": 0.0}
     lines = _verdicts(means, spreads, noise=0.001)
     assert verdict(lines, "qW worse").endswith("**holds**")  # 0.02 > 10 x 0.001
-    assert verdict(lines, "TLq worse").endswith("**holds**")  # 0.010 > 0.009
+    assert verdict(lines, "TLq worse").endswith(
+        "**holds** (TLq +0.01000 nats against TLq-HS; seed spread 0.00900; the paper 0.0095)"
+    )  # 0.010 > 0.009
     assert verdict(lines, "ULq worse").endswith("**holds**")
     closer = _verdicts({**means, "tlq": BASE + 0.009}, spreads, noise=0.003)
-    assert verdict(closer, "TLq worse").endswith("**does not hold**")  # 0.008 < 0.009
+    assert "TLq worse than TLq-HS by more than their seed spread: **does not hold** (TLq +0.00800" in verdict(
+        closer, "TLq worse"
+    )  # 0.008 < 0.009
     assert verdict(closer, "qW worse").endswith("**does not hold**")  # 0.02 < 10 x 0.003
 
 
