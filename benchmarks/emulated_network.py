@@ -79,9 +79,9 @@ from emulated_runs import (
     run_trainer,
     scenario_phase,
 )
-from emulated_tables import scenario_table, segment_table
+from emulated_tables import host_table, scenario_table, segment_table
 from emulation import LIGHTNING_LANES
-from gpu_wait import spin_accuracy
+from gpu_wait import spin_accuracy, spin_cost
 from phase_timer import Phase
 
 from lightning_sdp4bit.topology import Topology
@@ -289,8 +289,9 @@ def tabulate(model: str, raw: list[dict], args) -> list[str]:
         by_row = {row: repeats(row, key) for row in rows}
         for phase in phases[1:]:
             tables.append(scenario_table(model, phase, plain, by_row, args))
-            segments = segment_table(model, phase, plain, by_row)
-            tables += [segments] if segments else []
+            tables += [
+                t for t in (segment_table(model, phase, plain, by_row), host_table(model, phase, plain, by_row)) if t
+            ]
     return tables
 
 
@@ -315,6 +316,15 @@ def _report(record: dict, args) -> str:
     return "\n".join(record["header"] + tables)
 
 
+def _wait_note() -> str:
+    """The emulation's wait: its accuracy, and what it costs the matrix products beside it."""
+    return (
+        f" A 20 ms wait of the emulation measured {spin_accuracy():.3f}x; the 1.3B's MLP products ran "
+        f"{spin_cost(nap=True):.3f}x their time alone beside a wait ({spin_cost(nap=False):.3f}x beside a wait "
+        "that reads the clock back to back, without naps)."
+    )
+
+
 def _measure(args, argv: list[str] | None) -> dict:
     """Every model's runs, and the header that describes them."""
     device = args.device
@@ -334,8 +344,7 @@ def _measure(args, argv: list[str] | None) -> dict:
         f"{args.world} ranks, {args.repeats} x {args.steps} timed steps per row after {args.warmup} + {args.settle} "
         f"untimed, bf16 GPT{checkpointed}, "
         f"fused AdamW, clip 1.0; Lightning's collectives on the {args.lightning_lane} lane; torch {torch.__version__}; "
-        f"{time.perf_counter() - started:.0f} s in all."
-        + ("" if args.dry_run else f" A 20 ms wait of the emulation measured {spin_accuracy():.3f}x."),
+        f"{time.perf_counter() - started:.0f} s in all." + ("" if args.dry_run else _wait_note()),
         "",
     ]
     if args.dry_run:

@@ -19,6 +19,11 @@ the backward ends. That bucket is the same one (the first layers and the embeddi
 forward needs and the first whose gradients the backward completes lies the turn (the last
 layers, the output layer and the loss, forward and backward), when the link has nothing to send.
 max(compute, link) ignores all four.
+
+`host_table`: whether the host kept ahead of the GPU. The slowest timed step against the median
+one (a single host stall, such as a garbage collector's full pass, shows there); how far ahead
+of the GPU the host queued the end of each segment (near 0: the GPU waited for the host's
+launches); and the garbage collector's passes while the phases were timed.
 """
 
 from __future__ import annotations
@@ -144,6 +149,14 @@ def step_bound(
     return forward + backward + compute["optimizer"]
 
 
+def _by_row(scenario: Phase, plain: tuple[list, list], runs: dict[str, list[dict]]) -> dict[str, tuple[list, list]]:
+    """Row name -> (its repeats' results in the scenario's phase, in the compute-only phase);
+    `plain`: the plain row's pair."""
+    measured = {"plain (no strategy)": plain}
+    measured.update({row: ([r[scenario.name] for r in rs], [r["compute"] for r in rs]) for row, rs in runs.items()})
+    return measured
+
+
 def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
     """Where the step goes, for the plain row and the engine rows that marked their segments (a
     Trainer row does not; nor did runs written before segments were timed). A link that a row
@@ -157,8 +170,7 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         "| step / that bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    measured = {"plain (no strategy)": (plain, plain)}
-    measured.update({row: ([r[scenario.name] for r in rs], [r["compute"] for r in rs]) for row, rs in runs.items()})
+    measured = _by_row(scenario, (plain, plain), runs)
     for name, (results, compute_results) in measured.items():
         if not all(r.get("segments_ms") for r in results + compute_results):
             continue
@@ -200,6 +212,62 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         "nodes, NVLink on one node) was running: where the network waits for the GPU."
     )
     return "\n".join([f"#### {model}, {scenario.name}: where the step goes", "", *lines, "", note, ""])
+
+
+def _collector(results: list[dict]) -> tuple[float, float, float]:
+    """The garbage collector's full passes, all its passes and its ms, per timed step, over the
+    repeats (a --json file's generations are strings)."""
+    passes = [{int(gen): n for gen, n in r["gc_passes"].items()} for r in results]
+    return (
+        statistics.fmean(p[2] for p in passes),
+        statistics.fmean(sum(p.values()) for p in passes),
+        statistics.fmean(r["gc_ms"] for r in results),
+    )
+
+
+def _host_cells(results: list[dict]) -> tuple[str, str, str]:
+    """One phase's cells of host_table: the slowest step / the median, the host's lead at each
+    segment's end, the collector's passes; "-" for a phase the row did not run."""
+    if not results:
+        return "-", "-", "-"
+    steps = [step for r in results for step in r["steps_ms"]]
+    leads = _medians(results, "host_lead_ms", SEGMENTS) if all(r["host_lead_ms"] for r in results) else {}
+    full, every, ms = _collector(results)
+    return (
+        _fmt(max(steps) / statistics.median(steps), 2),
+        " / ".join(_fmt(v, 2) for v in leads.values()) or "-",
+        f"{full:.2f} / {every:.2f} ({ms:.1f})",
+    )
+
+
+def host_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
+    """Per row that timed its steps one by one (phase_timer's steps_ms; not the runs of --json
+    files written before): in the scenario's phase and the compute-only one, the slowest step
+    against the median, the host's lead over the GPU at each segment's end (medians) and the
+    garbage collector's passes. The plain row has only the compute-only phase."""
+    lines = [
+        "| row | slowest step / median: network / compute-only | host ahead of the GPU at the end of forward / "
+        "backward / optimizer: network (ms) | the same: compute-only (ms) | collector's passes per timed step, "
+        "full / all (their ms): network; compute-only |",
+        "|---|---|---|---|---|",
+    ]
+    measured = _by_row(scenario, ([], plain), runs)
+    for name, phases in measured.items():
+        if not all(r.get("steps_ms") for results in phases for r in results):
+            continue
+        network, compute = (_host_cells(results) for results in phases)
+        lines.append(
+            f"| {name} | {network[0]} / {compute[0]} | {network[1]} | {compute[1]} | {network[2]}; {compute[2]} |"
+        )
+    if len(lines) == 2:
+        return ""
+    note = (
+        "Host ahead: how long after the host queued a segment's end the GPU ran it (median over the timed steps; "
+        "the two clocks tied together on an idle GPU at the end of each phase). Near 0, the GPU had caught up and "
+        "waited for the host's launches. A single slow step (a stall of the host, such as a full pass of the "
+        "garbage collector) shows as the slowest step well above the median."
+    )
+    return "\n".join([f"#### {model}, {scenario.name}: the host", "", *lines, "", note, ""])
 
 
 def _baseline_of(name: str, medians: dict[str, float]) -> float:

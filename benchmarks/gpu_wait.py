@@ -6,7 +6,8 @@ nanosleep of 1 us sleeps 0-2 us, so no nap overshoots the wait), then reads it b
 warp that reads the clock back to back takes issue slots from whatever shares its SM: on the
 H200 the GEMMs that ran beside such a wait were 11.5% slower (median over 592 of them against the
 same GEMMs in a step with no waits, 2026-12-02), so the emulated network charged its own
-overhead to the step. Triton, not a CUDA extension: no nvcc needed.
+overhead to the step. `spin_cost` measures it on the machine at hand, napping and not: the
+same products alone and beside a wait. Triton, not a CUDA extension: no nvcc needed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["spin", "spin_accuracy"]
+__all__ = ["spin", "spin_accuracy", "spin_cost"]
 
 
 @triton.jit
@@ -33,21 +34,22 @@ def _nap_then_now():
 
 
 # do_not_specialize: one compiled variant for every value of ns (else one per value; it still
-# compiles one for int32 and one for int64 values).
+# compiles one for int32 and one for int64 values). nap=False: the clock read back to back, the
+# wait before 2026-12-02, kept to measure what the nap saves (spin_cost).
 @triton.jit(do_not_specialize=["ns"])
-def _spin_kernel(ns):
+def _spin_kernel(ns, nap: tl.constexpr):
     start = _now()
     now = start
     while now - start < ns:
-        if ns - (now - start) > 4000:
+        if nap and ns - (now - start) > 4000:
             now = _nap_then_now()
         else:
             now = _now()
 
 
-def spin(ns: int) -> None:
+def spin(ns: int, nap: bool = True) -> None:
     """Launch, on the current CUDA stream, one warp that returns `ns` ns of %globaltimer after it starts."""
-    _spin_kernel[(1,)](ns, num_warps=1)
+    _spin_kernel[(1,)](ns, nap, num_warps=1)
 
 
 @functools.cache
@@ -61,3 +63,28 @@ def spin_accuracy(wait_ms: float = 20.0) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / wait_ms
+
+
+def spin_cost(nap: bool, gemms: int = 40) -> float:
+    """How much slower matrix products run beside a wait on another stream than alone: the time
+    of `gemms` bf16 products of the 1.3B GPT's MLP shape (8192 tokens x 2048 -> 8192), beside
+    one wait that outlasts them, over their time alone (1.00 = no cost)."""
+    a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def products_ms(beside: bool) -> float:
+        torch.cuda.synchronize()
+        if beside:
+            with torch.cuda.stream(side):
+                spin(int(gemms * 5e6), nap)  # 5 ms a product: longer than any of them takes
+        start.record()
+        for _ in range(gemms):
+            a @ b
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    products_ms(False), products_ms(True)  # compiled and warm
+    return products_ms(True) / products_ms(False)

@@ -15,12 +15,19 @@ sat idle within it (`idle_by_segment`): where in the step the network waits for 
 A `point(name)` within a marked step is reported as its offset from the step's forward mark
 (emulated_runs marks when the forward waits for its last bucket and when the backward has
 finished its first: the ends of the turn from forward to backward).
+
+The host: each mark also reads the host's clock, and the end of a phase ties the two clocks
+together (a synchronize, then an event the idle GPU runs at once). So each mark gives how far
+the host ran ahead of the GPU when it queued the mark (`host_lead_ms`): near 0, the GPU had
+caught up and waited for the host's launches there. A phase also reports each timed step's
+length (`steps_ms`: one slow step shows) and the garbage collector's passes while it was timed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import statistics
 import sys
@@ -84,6 +91,8 @@ class PhaseTimer:
         self.total_steps, self._count, self._open = count, 0, {}
         self._done: dict[str, dict] = {}
         self._segments: list[tuple[str, object, object]] = []  # (segment, start clock, end clock)
+        self._host_marks: list[int] = []  # time.monotonic_ns() at each segment's end
+        self._gc_passes: list[tuple[int, int]] = []  # (generation, ns) of each pass while timed
         self._last_clock = None  # the open phase's last segment boundary
         self._recording_since = None  # the clock the network link's recorded waits are read against
         self._fire()
@@ -92,6 +101,7 @@ class PhaseTimer:
         """The end of `segment` of the current step (counted only while a phase is timed)."""
         if self._last_clock is not None:
             clock = self._clock()
+            self._host_marks.append(time.monotonic_ns())
             self._segments.append((segment, self._last_clock, clock))
             self._last_clock = clock
 
@@ -133,11 +143,23 @@ class PhaseTimer:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._open[phase.name] = self._last_clock = self._clock()
-        self._segments, self._points = [], []
+        self._segments, self._points, self._host_marks, self._gc_passes = [], [], [], []
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.monotonic_ns()
+        else:
+            self._gc_passes.append((info["generation"], time.monotonic_ns() - self._gc_started))
 
     def _stop(self, phase: Phase) -> None:
         end, network = self._clock(), self.network
+        gc.callbacks.remove(self._on_gc)
         self._last_clock = None
+        anchor = None
+        if self.cuda:  # the two clocks tied: the idle GPU runs this event as the host queues it
+            torch.cuda.synchronize()
+            anchor = (time.monotonic_ns(), self._clock())
         link_clocks = network.record_network_link(False) if network else []
         since = self._recording_since if network else None
         busy = {k: v / 1e6 / self.steps for k, v in network.link_busy_ns().items()} if network else {}
@@ -149,6 +171,9 @@ class PhaseTimer:
             "segment_clocks": self._segments,
             "point_clocks": self._points,
             "link_clocks": (since, link_clocks),
+            "host_marks": (anchor, self._host_marks),
+            "gc_passes": {gen: sum(1 for g, _ in self._gc_passes if g == gen) / self.steps for gen in range(3)},
+            "gc_ms": sum(ns for _, ns in self._gc_passes) / 1e6 / self.steps,
         }
 
     def _start_profile(self) -> None:
@@ -175,7 +200,8 @@ class PhaseTimer:
             result["step_ms"] = self._elapsed_ms(start, end) / self.steps
             since, link_clocks = result.pop("link_clocks")
             ms = functools.partial(self._elapsed_ms, since if since is not None else start)
-            spans = [(name, ms(a), ms(b)) for name, a, b in result.pop("segment_clocks")]
+            clocks = result.pop("segment_clocks")
+            spans = [(name, ms(a), ms(b)) for name, a, b in clocks]
             busy = [(ms(a), ms(b)) for a, b in link_clocks]
             segments = dict.fromkeys(SEGMENTS, 0.0) if spans else {}
             for name, start, stop in spans:
@@ -189,7 +215,33 @@ class PhaseTimer:
                 if forward < len(spans) and spans[forward][0] == SEGMENTS[0]:
                     offsets.setdefault(name, []).append(ms(clock) - spans[forward][2])
             result["points_ms"] = {name: statistics.fmean(values) for name, values in offsets.items()}
+            result["steps_ms"] = self._steps_ms(spans)
+            result["host_lead_ms"] = self._host_leads(clocks, *result.pop("host_marks"))
         return self._done
+
+    @staticmethod
+    def _steps_ms(spans: list[tuple[str, float, float]]) -> list[float]:
+        """Each step's length: from its first span's start to the end of its last segment."""
+        lengths, start = [], None
+        for name, begin, end in spans:
+            start = begin if start is None else start
+            if name == SEGMENTS[-1]:
+                lengths.append(end - start)
+                start = None
+        return lengths
+
+    @staticmethod
+    def _host_leads(clocks: list, anchor: tuple | None, host_marks: list[int]) -> dict[str, float]:
+        """Per segment, the median ms by which the GPU ran its end mark after the host queued it.
+        `anchor`: (host ns, CUDA event) taken together on an idle GPU; None on the CPU."""
+        if anchor is None:
+            return {}
+        host_anchor, gpu_anchor = anchor
+        leads: dict[str, list[float]] = {}
+        for (name, _, clock), host in zip(clocks, host_marks):
+            # The GPU ran the mark elapsed_time ms before the anchor, which it ran at host_anchor.
+            leads.setdefault(name, []).append((host_anchor - host) / 1e6 - clock.elapsed_time(gpu_anchor))
+        return {name: statistics.median(values) for name, values in leads.items()}
 
     def _elapsed_ms(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)

@@ -198,6 +198,11 @@ def test_dry_run_prints_every_table(tmp_path):
             tail, head = map(float, segments[row][8].split(" / "))
             forward, backward, _ = map(float, segments[row][3].split(" / "))
             assert 0 < tail <= forward + 0.1 and 0 < head <= backward + 0.1
+        # The host: each row's slowest step against its median; on the CPU no lead (one clock).
+        host = _table_rows(text, f"tiny, {scenario.split(':')[0]}: the host")
+        assert list(host) == ["plain (no strategy)", "baseline", "sdp4bit"]
+        assert host["plain (no strategy)"][0].startswith("- / ") and host["sdp4bit"][1:3] == ["-", "-"]
+        assert all(float(ratio) >= 1.0 for cells in host.values() for ratio in cells[0].split(" / ") if ratio != "-")
     assert out.read_text() == text
 
 
@@ -423,3 +428,27 @@ def test_the_weight_all_gathers_second_stage_on_the_exchange_stream_gives_the_ho
             results[stream is None] = [bucket.weights.clone() for bucket in buckets]
     for host_driven, on_stream in zip(results[True], results[False], strict=True):
         assert torch.equal(host_driven.view(torch.int16), on_stream.view(torch.int16))
+
+
+def test_the_host_table_names_a_slow_step_the_hosts_lead_and_the_collectors_passes():
+    from emulated_tables import host_table
+    from phase_timer import Phase
+
+    def phase(steps, lead, full):
+        passes = {"0": 1.0, "1": 0.0, "2": full}  # as read back from --json
+        return {"steps_ms": steps, "host_lead_ms": lead, "gc_passes": passes, "gc_ms": 20.0 * full}
+
+    lead = {"forward": 3.0, "backward": 0.04, "optimizer": 1.5}
+    plain = [phase([100.0, 104.0], lead, 0.0)]
+    runs = {
+        "sdp4bit": [
+            {"compute": phase([100.0, 100.0], lead, 0.0), "eth100": phase([120.0, 121.0], lead, 0.0)},
+            {"compute": phase([100.0, 130.0], lead, 0.5), "eth100": phase([120.0, 122.0], lead, 0.0)},
+        ],
+        "old": [{"compute": {"step_ms": 1.0}, "eth100": {"step_ms": 1.0}}],  # a --json file from before
+    }
+    rows = _table_rows(host_table("1.3b", Phase("eth100"), plain, runs), "1.3b, eth100: the host")
+    assert rows == {
+        "plain (no strategy)": ["- / 1.02", "-", "3.00 / 0.04 / 1.50", "-; 0.00 / 1.00 (0.0)"],
+        "sdp4bit": ["1.01 / 1.30", "3.00 / 0.04 / 1.50", "3.00 / 0.04 / 1.50", "0.00 / 1.00 (0.0); 0.25 / 1.25 (5.0)"],
+    }

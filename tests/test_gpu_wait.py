@@ -17,10 +17,12 @@ import gpu_wait  # noqa: E402
 
 # In a process of its own: the tests run Triton in interpreter mode, which compiles nothing.
 PRINT_PTX = """
+import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import gpu_wait
-source = ASTSource(fn=gpu_wait._spin_kernel, signature={"ns": "i64"}, constexprs={})
+nap = sys.argv[1] == "nap"
+source = ASTSource(fn=gpu_wait._spin_kernel, signature={"ns": "i64", "nap": "constexpr"}, constexprs={"nap": nap})
 kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
 assert kernel.asm["cubin"], "ptxas built no cubin for sm_90"
 print(kernel.asm["ptx"])
@@ -32,14 +34,22 @@ def test_the_wait_naps_inside_its_clock_loop_and_builds_for_sm90():
     the loop must sleep between reads (nanosleep), and must still read the clock after a nap."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS), env.get("PYTHONPATH", "")])
-    built = subprocess.run([sys.executable, "-c", PRINT_PTX], env=env, capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr[-2000:]
-    ptx = built.stdout
+    ptx, back_to_back = (_ptx(env, variant) for variant in ("nap", "no-nap"))
     naps = [line for line in ptx.splitlines() if "nanosleep" in line]
     assert naps and all(re.search(r"nanosleep\.u32 1000;\s*mov\.u64 %rd\d+, %globaltimer;", line) for line in naps)
     # the loop's back edge: a branch to a label that comes before the nap
     labels = [m.start() for m in re.finditer(r"^\$L__BB0_\d+:", ptx, re.M)]
     assert any(position < ptx.index("nanosleep") for position in labels)
+    # spin_cost's other variant reads the clock back to back
+    assert "nanosleep" not in back_to_back and "%globaltimer" in back_to_back
+
+
+def _ptx(env: dict, variant: str) -> str:
+    built = subprocess.run(
+        [sys.executable, "-c", PRINT_PTX, variant], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    return built.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: the wait is a CUDA kernel")

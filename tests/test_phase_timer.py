@@ -14,9 +14,13 @@ emulated_tables.step_bound.
   bucket, the forward waits for its share of the weights' link time first, and its share of the
   gradients' crosses after the backward; the turn's forward tail follows the weights, and its
   backward head precedes the gradients;
-- a point within a marked step is read against that step's forward mark.
+- a point within a marked step is read against that step's forward mark;
+- each timed step's length is reported, and the garbage collector's passes while a phase is
+  timed (and none outside it); the host's lead over the GPU at each mark is read against an
+  anchor taken with both clocks together.
 """
 
+import gc
 import itertools
 import sys
 from argparse import Namespace
@@ -125,3 +129,41 @@ def test_points_are_read_against_their_steps_forward_mark(ticking_clock):
         unmarked.point("last_weights")
         unmarked.after_step()
     assert unmarked.results()["compute"]["points_ms"] == {}
+
+
+def test_each_timed_steps_length_and_the_collectors_passes_while_timed(ticking_clock):
+    timer = PhaseTimer(None, [Phase("compute")], ARGS, None)
+    for step in range(timer.total_steps):
+        timer.mark("forward")
+        if step == timer.total_steps - 1:
+            timer.mark("forward")  # one more reading: the last step is 1 s longer
+            gc.collect()  # a full pass, while timed
+        timer.mark("backward")
+        timer.after_step()
+        if step == 0:
+            gc.collect()  # in the warm-up: not counted
+    result = timer.results()["compute"]
+    assert result["steps_ms"] == [3000.0, 4000.0]
+    assert result["gc_passes"] == {0: 0.0, 1: 0.0, 2: 1 / ARGS.steps}
+    assert result["gc_ms"] > 0
+    assert timer._on_gc not in gc.callbacks  # unhooked when the phase stops
+    assert result["host_lead_ms"] == {}  # the CPU: one clock, no lead
+
+
+class _Event:
+    """A CUDA event's stand-in: its GPU time in ms."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return other.ms - self.ms
+
+
+def test_the_hosts_lead_is_how_long_after_queueing_a_mark_the_gpu_ran_it():
+    # GPU clock = host clock + 100 ms (the anchor: host 1000 ms, GPU 1100 ms). The forward's end
+    # was queued at host 200 ms and ran at GPU 310 ms (host 210): 10 ms later; the backward's was
+    # queued at 300 and ran at 400.5 (host 300.5) : 0.5 ms later, the GPU had caught up.
+    clocks = [("forward", None, _Event(310.0)), ("backward", None, _Event(400.5))]
+    leads = PhaseTimer._host_leads(clocks, (1000_000_000, _Event(1100.0)), [200_000_000, 300_000_000])
+    assert leads == pytest.approx({"forward": 10.0, "backward": 0.5})
