@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", default=None, help="a torch profiler trace per run: PATH.json[.gz] -> PATH_<run>.json[.gz]"
     )
+    python = "with --profile: record every Python call on the host too (trace_summary.py --idle then says where"
+    python += " the host was while the GPU waited for it; slows the host, so only the trace is worth reading)"
+    parser.add_argument("--profile-python", action="store_true", help=python)
     args = parser.parse_args(argv)
     if args.tables_from:
         if not Path(args.tables_from).is_file():
@@ -157,6 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--dry-run runs a tiny model on the CPU: {' or '.join(DRY_RUN_MODELS)}, not {args.model}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: this measures a GPU. Use --dry-run for a CPU check of the script (no timings)")
+    if args.profile_python and not args.profile:
+        parser.error("--profile-python records Python calls into the trace: it needs --profile PATH")
     for flag, path in (("--profile", args.profile), ("--json", args.json), ("--markdown", args.markdown)):
         if path and not Path(path).resolve().parent.is_dir():
             parser.error(f"{flag}: the folder of {path} does not exist")

@@ -74,8 +74,10 @@ class PhaseTimer:
     """
 
     def __init__(self, network: Network | None, phases: list[Phase], args, profile: str | None):
-        """`args`: warmup, settle, steps (step counts) and device."""
+        """`args`: warmup, settle, steps (step counts) and device; with `profile`, profile_python
+        (the trace records every Python call on the host too)."""
         self.network, self.steps, self.profile_path = network, args.steps, profile
+        self.profile_python = bool(getattr(args, "profile_python", False))
         warmup, settle, steps = args.warmup, args.settle, args.steps
         self.cuda = args.device.type == "cuda"
         self._marks: list[tuple[int, object]] = [(0, functools.partial(self._set_rates, phases[0]))]
@@ -178,7 +180,7 @@ class PhaseTimer:
 
     def _start_profile(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] * self.cuda)
-        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler = torch.profiler.profile(activities=activities, with_stack=self.profile_python)
         self._profiler.start()
 
     def _stop_profile(self) -> None:

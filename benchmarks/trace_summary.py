@@ -19,14 +19,18 @@ With --gaps MS: the network link's idle gaps of MS or more (between the waits of
 waits longest, the NIC's lane across nodes), each with what the compute stream ran meanwhile:
 where, in the step, the network waits for the GPU. With --idle MS: the compute stream's idle
 gaps, with what the other streams ran meanwhile: a gap they fill waits for an exchange's kernels,
-a gap they leave empty waits for the host.
+a gap they leave empty waits for the host. If the trace recorded the host's Python calls
+(`emulated_network.py --profile-python`), it also says where the host was in those gaps: per
+function, and per the innermost frame of this repository's code.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
+import itertools
 import json
 import re
 from pathlib import Path
@@ -34,11 +38,24 @@ from pathlib import Path
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
-def gpu_events(path: Path) -> list[dict]:
+def trace_events(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def gpu_events(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("cat") in GPU_CATEGORIES]
+
+
+def python_calls(events: list[dict]) -> list[dict]:
+    """The host's Python calls (a trace recorded with_stack: emulated_network.py --profile-python)
+    on the thread that made most of them: the training loop's."""
+    calls = [e for e in events if e.get("cat") == "python_function"]
+    if not calls:
+        return []
+    main = collections.Counter(e["tid"] for e in calls).most_common(1)[0][0]
+    return [e for e in calls if e["tid"] == main]
 
 
 def short_name(name: str) -> str:
@@ -76,8 +93,13 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def covered(start: float, end: float, disjoint: list[tuple[float, float]]) -> float:
-    """How much of [start, end) the `disjoint` intervals (`merged`'s) cover, in their units."""
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in disjoint)
+    """How much of [start, end) the `disjoint` intervals (`merged`'s, so sorted) cover, in their units."""
+    total = 0.0
+    for a, b in itertools.islice(disjoint, bisect.bisect_right(disjoint, start, key=lambda ab: ab[1]), None):
+        if a >= end:
+            break
+        total += min(end, b) - max(start, a)
+    return total
 
 
 def union_ms(intervals: list[tuple[float, float]]) -> float:
@@ -225,11 +247,62 @@ def gaps_table(label: str, events: list[dict], matrix: str, beside: str, min_ms:
     return lines + activity_rows(gaps, work, min(e["ts"] for e in events)) + [""]
 
 
-def idle_table(label: str, events: list[dict], matrix: str, min_ms: float) -> list[str]:
+# A frame of this repository's code, as the profiler names it: "PATH(LINE): FUNCTION", PATH
+# absolute for the installed packages and bare for the modules of benchmarks/ (on sys.path).
+_BENCHMARK_MODULES = "|".join(sorted(path.stem for path in Path(__file__).parent.glob("*.py")))
+OURS = re.compile(
+    rf"((^|/)(lightning_sdp4bit|strategies|kernels|examples|benchmarks)/.*|^({_BENCHMARK_MODULES}))\.py\(\d+\)"
+)
+
+
+def host_in_gaps(calls: list[dict], gaps: list[tuple[float, float]], steps: int, top: int = 8) -> list[str]:
+    """Where the host was while the GPU waited for it: each Python call's own time (less its
+    callees') within `gaps` (disjoint, us), summed per function, and per the innermost frame of
+    this repository's code that was running (the engine's or the benchmark's step that the time
+    belongs to). Milliseconds per step."""
+    children: dict[int, list[dict]] = collections.defaultdict(list)
+    by_id = {}
+    for e in calls:
+        args = e.get("args", {})
+        by_id[args.get("Python id")] = e
+        children[args.get("Python parent id")].append(e)
+
+    def in_gaps(e: dict) -> float:
+        return covered(e["ts"], e["ts"] + e["dur"], gaps)
+
+    def ours(e: dict | None) -> str:
+        while e is not None and not OURS.search(e["name"]):
+            e = by_id.get(e.get("args", {}).get("Python parent id"))
+        return e["name"] if e is not None else "(no frame of this repository)"
+
+    own: dict[str, float] = collections.defaultdict(float)
+    frames: dict[str, float] = collections.defaultdict(float)
+    for e in calls:
+        inside = in_gaps(e)
+        if inside <= 0:
+            continue
+        mine = inside - sum(in_gaps(c) for c in children[e.get("args", {}).get("Python id")])
+        own[e["name"]] += mine / 1e3 / steps
+        frames[ours(e)] += mine / 1e3 / steps
+    total = sum(own.values())
+    lines = [f"The host's Python calls in those gaps: {total:.2f} ms a step.", ""]
+    for title, table in (("function (its own time)", own), ("this repository's innermost frame", frames)):
+        lines += [f"| {title} | ms per step in the gaps |", "|---|---|"]
+        lines += [f"| {name[:120]} | {ms:.2f} |" for name, ms in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
+        lines.append("")
+    return lines
+
+
+def idle_table(
+    label: str, events: list[dict], matrix: str, min_ms: float, calls: list[dict] = (), steps: int = 1
+) -> list[str]:
     """Where the compute stream waits: its idle gaps of at least `min_ms`, each with what every
     other stream ran meanwhile. A gap the other streams fill is a wait for their work (an
-    exchange's kernels); a gap they leave empty too is the host's (launches, a sync)."""
+    exchange's kernels); a gap they leave empty too is the host's (launches, a sync). With the
+    host's Python `calls` (python_calls), where the host was in those gaps (host_in_gaps)."""
     compute = compute_stream(events, re.compile(matrix))
+    if compute is None:
+        return [f"{label}: no `{matrix}` kernels (a CPU run?), no compute stream to follow", ""]
     own = [(e["ts"], e["ts"] + e["dur"]) for e in events if stream_of(e) == compute]
     others = [e for e in events if stream_of(e) != compute]
     gaps = idle_gaps(own, min_ms)
@@ -241,7 +314,8 @@ def idle_table(label: str, events: list[dict], matrix: str, min_ms: float) -> li
         "| from (ms) | idle (ms) | other streams busy (ms) | largest kernels in the gap (ms) |",
         "|---|---|---|---|",
     ]
-    return lines + activity_rows(gaps, others, min(e["ts"] for e in events)) + [""]
+    lines += activity_rows(gaps, others, min(e["ts"] for e in events)) + [""]
+    return lines + (host_in_gaps(calls, gaps, steps) if calls else [])
 
 
 def main() -> None:
@@ -263,7 +337,8 @@ def main() -> None:
     for path in args.traces:
         if not path.is_file():
             parser.error(f"no trace file at {path}")
-    traces = [gpu_events(path) for path in args.traces]
+    everything = [trace_events(path) for path in args.traces]
+    traces = [gpu_events(events) for events in everything]
     summaries = [summarize(events, args.steps) for events in traces]
     labels = [path.name.removesuffix(".gz").removesuffix(".json") for path in args.traces]
     lines = []
@@ -276,8 +351,8 @@ def main() -> None:
         for label, events in zip(labels, traces):
             lines += gaps_table(label, events, args.matrix, args.beside, args.gaps)
     if args.idle is not None:
-        for label, events in zip(labels, traces):
-            lines += idle_table(label, events, args.matrix, args.idle)
+        for label, events, all_events in zip(labels, traces, everything):
+            lines += idle_table(label, events, args.matrix, args.idle, python_calls(all_events), args.steps)
     print("\n".join(lines))
 
 

@@ -155,6 +155,7 @@ def _script(*args):
         (["--latency-us", "2,-1"], "latencies must be >= 0 microseconds"),
         (["--bucket-numel", "4e6,big"], "--bucket-numel: '4e6,big' is not a comma list"),
         (["--bucket-numel", "0.5"], "every size must be a whole number of elements >= 1"),
+        (["--profile-python"], "--profile-python records Python calls into the trace: it needs --profile PATH"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message, capsys):
