@@ -4,9 +4,11 @@ On the H200 (repository root; about 40 s per model):
 
     python3 benchmarks/host_time.py --model 356m
     python3 benchmarks/host_time.py --model 1.3b --nodes 2
+    python3 benchmarks/host_time.py --model 1.3b --world 64 --nodes 16   # rank 0 of 16 x 4
 
-One GPU plays rank 0 of 8 ranks over the emulated network of benchmarks/emulation.py (NVLink
-150 GB/s; with --nodes 2, 4 GPUs per node and a 50 GB/s NIC per GPU), sdp4bit's defaults. The
+One GPU plays rank 0 of --world ranks (8) over the emulated network of benchmarks/emulation.py
+(NVLink 150 GB/s; with --nodes above 1, world / nodes GPUs per node and a 50 GB/s NIC per GPU),
+sdp4bit's defaults. The
 engine's step is the order the Lightning adapter drives it (benchmarks/gpt_step.py); each phase
 is timed on the host with perf_counter, with nothing synchronised, and the GPU's step with CUDA
 events recorded back to back. Host time equal to the GPU's means the host waits for the GPU
@@ -92,15 +94,18 @@ def _plain_calls(model, optimizer, tokens):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="356m", choices=[m for m in MODELS if m != "tiny"])
-    parser.add_argument("--nodes", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--world", type=int, default=8, help="ranks of the emulated job (default 8)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
     args = parser.parse_args()
+    if args.nodes < 1 or args.world < 1 or args.world % args.nodes:
+        parser.error(f"--nodes={args.nodes} must be >= 1 and divide --world={args.world}")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a GPU: it times the host against the GPU")
     device, spec = torch.device("cuda"), MODELS[args.model]
-    ranks_per_node = 8 // args.nodes
-    topology = Topology(0, 8, ranks_per_node)
+    ranks_per_node = args.world // args.nodes
+    topology = Topology(0, args.world, ranks_per_node)
     network = Network(device, topology, "own")
     network.set_rates(150.0, 150.0 if args.nodes == 1 else 50.0)
     with network.install():

@@ -38,6 +38,7 @@ reduced before a hook sees them) are calls of `wait_weights` and `finish_grads`.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable
 from enum import Enum
 
@@ -94,7 +95,12 @@ class BucketSchedule:
         self._next_launch = 0  # the next bucket whose gradient exchange may start
         self._reduced = 0  # buckets in REDUCED
         self._grads: dict[int, Pending] = {}
+        # The gradient exchanges in flight that `poll` has not yet seen move on, in launch (=
+        # bucket) order: one that has moved on stays so, and is not asked again (asking every
+        # one in flight after each launch was O(buckets^2) calls a step).
+        self._grads_unmoved: collections.deque[Pending] = collections.deque()
         self._weights: dict[int, Pending] = {}
+        self._weights_unmoved: collections.deque[tuple[int, Pending]] = collections.deque()  # as the gradients'
         self._weights_due: list[int] = []  # buckets whose all-gather is due but not started, in launch order
 
     # ----------------------------------------------------------------------------------------
@@ -121,6 +127,7 @@ class BucketSchedule:
 
     def _launch(self, index: int) -> None:
         self._grads[index] = self._start_grads(index)
+        self._grads_unmoved.append(self._grads[index])
         self.grad_phase[index] = GradPhase.EXCHANGING
         self._next_launch = index + 1
 
@@ -130,9 +137,8 @@ class BucketSchedule:
         group: a later bucket's first stage may complete first on one rank and not on another
         (gloo runs its work on several threads), and ranks that launched the second stages in
         different orders would pair different buckets' payloads of one size without an error."""
-        for index in sorted(self._grads):
-            if not self._grads[index].progress():
-                break
+        while self._grads_unmoved and self._grads_unmoved[0].progress():
+            self._grads_unmoved.popleft()
 
     def finish_grads(self) -> None:
         """Launch what is left (in order), then wait for every gradient exchange: REDUCED."""
@@ -142,6 +148,7 @@ class BucketSchedule:
             self._grads.pop(index).wait()
             self.grad_phase[index] = GradPhase.REDUCED
             self._reduced += 1
+        self._grads_unmoved.clear()
 
     def restart_grads(self) -> None:
         """A new accumulation window: every bucket back to ACCUMULATING."""
@@ -171,6 +178,7 @@ class BucketSchedule:
         while self._weights_due and count > 0:
             index = self._weights_due.pop(0)
             self._weights[index] = self._start_weights(index)
+            self._weights_unmoved.append((index, self._weights[index]))
             count -= 1
 
     def wait_weights(self, indices: Iterable[int] | None = None) -> None:
@@ -189,9 +197,9 @@ class BucketSchedule:
                 self._weights.pop(index).wait()
                 self.weight_phase[index] = WeightPhase.CURRENT
                 self._on_weights_current(index)
-        for pending in self._weights.values():  # move the later ones on, in launch order
-            if not pending.progress():
-                break
+        unmoved = self._weights_unmoved  # move the later ones on, in launch order
+        while unmoved and (self._weights.get(unmoved[0][0]) is not unmoved[0][1] or unmoved[0][1].progress()):
+            unmoved.popleft()  # completed above, or moved on now
 
     def exchanging_weights(self) -> list[int]:
         return sorted([*self._weights, *self._weights_due])

@@ -5,6 +5,7 @@
 - weight exchanges go out last bucket first; with a prefetch of k only k start at once, and a
   wait starts the due ones up to k past the bucket it waits for; without, all start at once;
 - weight exchanges complete in launch order, and a wait moves the later ones on in that order;
+- an exchange that has moved on is not asked again (polling after each launch stays linear);
 - landed weights are reported once per bucket, and a new window needs the exchanges finished.
 """
 
@@ -15,10 +16,11 @@ from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, WeightPhase
 
 class FakeExchange:
     def __init__(self, log, name):
-        self.log, self.name, self.stage_done = log, name, False
+        self.log, self.name, self.stage_done, self.asked = log, name, False, 0
         log.append(("start", name))
 
     def progress(self):
+        self.asked += 1
         if self.stage_done and ("stage2", self.name) not in self.log:
             self.log.append(("stage2", self.name))
         return ("stage2", self.name) in self.log
@@ -107,3 +109,22 @@ def test_weight_exchanges_complete_in_launch_order_and_later_ones_move_on_in_ord
     assert [entry for entry in log if entry[0] == "stage2"] == [("stage2", ("weight", i)) for i in (1, 0)]
     schedule.wait_weights([0])  # out of order: 1 completes first
     assert landed == [4, 3, 2, 1, 0] and schedule.weights_current
+
+
+def test_an_exchange_that_has_moved_on_is_not_asked_again():
+    schedule, _, _, exchanges = _schedule(4)
+    schedule.launch_ready(lambda i: i < 2)
+    exchanges[("grad", 0)].stage_done = True
+    schedule.poll()  # 0 moves on; 1 is asked and has not completed
+    asked = {i: exchanges[("grad", i)].asked for i in (0, 1)}
+    schedule.launch_ready(lambda i: i < 4)  # two more launches, a poll after them
+    schedule.poll()
+    assert exchanges[("grad", 0)].asked == asked[0]  # not asked again
+    assert exchanges[("grad", 1)].asked > asked[1] and exchanges[("grad", 2)].asked == 0  # 2 waits behind 1
+    weights, _, _, sent = _schedule(3)
+    weights.start_weights()  # launch order 2, 1, 0
+    sent[("weight", 1)].stage_done = sent[("weight", 0)].stage_done = True
+    weights.wait_weights([2])  # 2 lands; 1 and 0 move on
+    before = [sent[("weight", i)].asked for i in (1, 0)]
+    weights.wait_weights([2])
+    assert [sent[("weight", i)].asked for i in (1, 0)] == before
