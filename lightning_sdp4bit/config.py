@@ -167,7 +167,8 @@ class SDP4BitConfig:
     """Base seed of stochastic rounding; each rank, step, bucket and stage derives its own."""
 
     log_comm_stats: bool = True
-    """Log the per-step communication figures (bytes, bits per element) through the Trainer."""
+    """Log the per-step communication figures (bytes, bits per element) through the Trainer, on
+    the steps it writes logs (every `log_every_n_steps`)."""
 
     nonfinite: NonFinite = NonFinite.SKIP
     """An Inf or NaN gradient on any rank: "skip" the step (default; counted in
