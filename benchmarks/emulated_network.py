@@ -13,6 +13,9 @@ On the H200 (from the repository root; the whole --quick run, one run per row, t
     python3 benchmarks/emulated_network.py --model 1.3b --presets sdp4bit --scenarios eth100 \
         --trainer-presets none --repeats 1 --profile trace.json.gz                 # one row, with a trace
     python3 benchmarks/trace_summary.py trace_1.3b_plain.json.gz trace_1.3b_sdp4bit_nodes.json.gz  # its GPU time
+    python3 benchmarks/emulated_network.py --model 1.3b --presets sdp4bit --scenarios custom --link-gbps inf \
+        --nvlink-gbs inf --latency-us off --trainer-presets none --repeats 1 --profile c.json.gz --profile-python
+    python3 benchmarks/trace_summary.py c_1.3b_sdp4bit_nodes.json.gz --idle 0.2  # where the GPU waited for the host
     python3 benchmarks/emulated_network.py --link-gbps 200 --scenarios custom      # 200 Gb/s per GPU
     python3 benchmarks/emulated_network.py --dry-run [--model tiny-ckpt]           # CPU, tiny GPT: no timings
 
