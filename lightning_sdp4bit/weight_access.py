@@ -46,15 +46,6 @@ __all__ = ["DataWriteTracker", "ReadGuard", "WeightAccess"]
 _DATA_GET = torch._C.TensorBase.data.__get__  # what `p.data` calls (equal, not identical, each time)
 
 
-def _arguments(args: tuple, kwargs: dict) -> Iterable[Any]:
-    """The arguments of a torch call, one level into lists and tuples (torch.cat, foreach ops)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
-
-
 class _StackedMode(TorchFunctionMode):
     """A mode pushed and popped by calls rather than a `with` block (the guard spans the user's
     loop from one optimizer step to the next backward). It pops only when it is on top of torch's
@@ -100,11 +91,16 @@ class ReadGuard(_StackedMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.active and self.pending:
-            for value in _arguments(args, kwargs):
-                index = self.pending.get(id(value))
-                if index is not None:
-                    self._wait(index)
+        pending = self.pending
+        if self.active and pending:
+            # Every torch call of the forward comes through here: plain loops, no generator.
+            for value in (*args, *kwargs.values()) if kwargs else args:
+                if isinstance(value, (list, tuple)):  # one level in: torch.cat, the foreach ops
+                    for item in value:
+                        if id(item) in pending:
+                            self._wait(pending[id(item)])
+                elif id(value) in pending:
+                    self._wait(pending[id(value)])
         return func(*args, **kwargs)
 
 
