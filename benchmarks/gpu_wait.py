@@ -41,10 +41,14 @@ def _nap_then_now():
 def _spin_kernel(ns, nap: tl.constexpr):
     start = _now()
     now = start
-    while now - start < ns:
-        if nap and ns - (now - start) > 4000:
-            now = _nap_then_now()
-        else:
+    if nap:  # a compile-time branch: one loop or the other in the binary
+        while now - start < ns:
+            if ns - (now - start) > 4000:
+                now = _nap_then_now()
+            else:
+                now = _now()
+    else:
+        while now - start < ns:
             now = _now()
 
 
