@@ -216,11 +216,10 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
 
 def _collector(results: list[dict]) -> tuple[float, float, float]:
     """The garbage collector's full passes, all its passes and its ms, per timed step, over the
-    repeats (a --json file's generations are strings)."""
-    passes = [{int(gen): n for gen, n in r["gc_passes"].items()} for r in results]
+    repeats."""
     return (
-        statistics.fmean(p[2] for p in passes),
-        statistics.fmean(sum(p.values()) for p in passes),
+        statistics.fmean(r["gc_passes"][2] for r in results),
+        statistics.fmean(sum(r["gc_passes"]) for r in results),
         statistics.fmean(r["gc_ms"] for r in results),
     )
 

@@ -174,7 +174,8 @@ class PhaseTimer:
             "point_clocks": self._points,
             "link_clocks": (since, link_clocks),
             "host_marks": (anchor, self._host_marks),
-            "gc_passes": {gen: sum(1 for g, _ in self._gc_passes if g == gen) / self.steps for gen in range(3)},
+            # per timed step, by generation 0, 1, 2 (a list: it reads back from --json as written)
+            "gc_passes": [sum(1 for g, _ in self._gc_passes if g == gen) / self.steps for gen in range(3)],
             "gc_ms": sum(ns for _, ns in self._gc_passes) / 1e6 / self.steps,
         }
 
@@ -191,8 +192,10 @@ class PhaseTimer:
     def results(self) -> dict[str, dict]:
         """Phase name -> step_ms, busy_ms (per lane and per link), lightning_ops, peak_gib,
         segments_ms (SEGMENTS -> ms per step; empty for a step that does not mark them) and
-        link_idle_ms (the network link's idle ms per step within each segment; empty likewise) and
-        points_ms (each `point` name -> its mean ms from its step's forward mark, negative before)."""
+        link_idle_ms (the network link's idle ms per step within each segment; empty likewise),
+        points_ms (each `point` name -> its mean ms from its step's forward mark, negative before),
+        steps_ms (each marked step's length), host_lead_ms (per segment, the median ms the GPU ran
+        its end after the host queued it; empty on the CPU), gc_passes and gc_ms (per timed step)."""
         if self._marks:
             raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
         if self.cuda:

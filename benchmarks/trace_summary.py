@@ -260,30 +260,34 @@ def host_in_gaps(calls: list[dict], gaps: list[tuple[float, float]], steps: int,
     callees') within `gaps` (disjoint, us), summed per function, and per the innermost frame of
     this repository's code that was running (the engine's or the benchmark's step that the time
     belongs to). Milliseconds per step."""
-    children: dict[int, list[dict]] = collections.defaultdict(list)
-    by_id = {}
-    for e in calls:
-        args = e.get("args", {})
-        by_id[args.get("Python id")] = e
-        children[args.get("Python parent id")].append(e)
+    by_id = {e.get("args", {}).get("Python id"): e for e in calls}
+    parent = {key: e.get("args", {}).get("Python parent id") for key, e in by_id.items()}
+    # Each call's time within the gaps, once; a parent's own time is its share less its callees'.
+    inside = {key: covered(e["ts"], e["ts"] + e["dur"], gaps) for key, e in by_id.items()}
+    callees = collections.defaultdict(float)
+    for key, share in inside.items():
+        callees[parent[key]] += share
+    frame_of: dict = {}
 
-    def in_gaps(e: dict) -> float:
-        return covered(e["ts"], e["ts"] + e["dur"], gaps)
-
-    def ours(e: dict | None) -> str:
-        while e is not None and not OURS.search(e["name"]):
-            e = by_id.get(e.get("args", {}).get("Python parent id"))
-        return e["name"] if e is not None else "(no frame of this repository)"
+    def ours(key) -> str:
+        """The innermost frame of this repository's code around call `key` (memoised: the calls
+        of one step share their ancestors)."""
+        if key not in frame_of:
+            e = by_id.get(key)
+            if e is None:
+                frame_of[key] = "(no frame of this repository)"
+            else:
+                frame_of[key] = e["name"] if OURS.search(e["name"]) else ours(parent[key])
+        return frame_of[key]
 
     own: dict[str, float] = collections.defaultdict(float)
     frames: dict[str, float] = collections.defaultdict(float)
-    for e in calls:
-        inside = in_gaps(e)
-        if inside <= 0:
+    for key, share in inside.items():
+        if share <= 0:
             continue
-        mine = inside - sum(in_gaps(c) for c in children[e.get("args", {}).get("Python id")])
-        own[e["name"]] += mine / 1e3 / steps
-        frames[ours(e)] += mine / 1e3 / steps
+        mine = (share - callees[key]) / 1e3 / steps
+        own[by_id[key]["name"]] += mine
+        frames[ours(key)] += mine
     total = sum(own.values())
     lines = [f"The host's Python calls in those gaps: {total:.2f} ms a step.", ""]
     for title, table in (("function (its own time)", own), ("this repository's innermost frame", frames)):

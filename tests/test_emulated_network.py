@@ -436,7 +436,7 @@ def test_the_host_table_names_a_slow_step_the_hosts_lead_and_the_collectors_pass
     from phase_timer import Phase
 
     def phase(steps, lead, full):
-        passes = {"0": 1.0, "1": 0.0, "2": full}  # as read back from --json
+        passes = [1.0, 0.0, full]  # per timed step, by generation
         return {"steps_ms": steps, "host_lead_ms": lead, "gc_passes": passes, "gc_ms": 20.0 * full}
 
     lead = {"forward": 3.0, "backward": 0.04, "optimizer": 1.5}
