@@ -98,9 +98,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--bucket-numel", type=float, default=None, help="elements a bucket (default: the config's)")
     args = parser.parse_args()
     if args.nodes < 1 or args.world < 1 or args.world % args.nodes:
         parser.error(f"--nodes={args.nodes} must be >= 1 and divide --world={args.world}")
+    if args.bucket_numel is not None and args.bucket_numel < 1:
+        parser.error(f"--bucket-numel must be at least 1 element, got {args.bucket_numel}")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a GPU: it times the host against the GPU")
     device, spec = torch.device("cuda"), MODELS[args.model]
@@ -110,21 +113,25 @@ def main() -> None:
     network.set_rates(150.0, 150.0 if args.nodes == 1 else 50.0)
     with network.install():
         model = spec.build(device)
-        engine = ShardedEngine(
-            model, SDP4BitConfig.preset("sdp4bit", ranks_per_node=ranks_per_node), topology, network.groups()
-        )
+        buckets = {} if args.bucket_numel is None else {"bucket_numel": int(args.bucket_numel)}
+        config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=ranks_per_node, **buckets)
+        engine = ShardedEngine(model, config, topology, network.groups())
         optimizer = make_optimizer(model.parameters(), device)
         engine.shard_optimizer(optimizer)
         tokens = spec.tokens(device)
         calls = _engine_calls(model, engine, optimizer, tokens)
         engine_host, engine_gpu = _timed(ENGINE_PHASES, calls, args.steps, args.warmup)
+        bucket_count = len(engine.buckets)
         engine.close()
     del model, engine, optimizer
     torch.cuda.empty_cache()
     model = spec.build(device)
     optimizer = make_optimizer(model.parameters(), device)
     plain_host, plain_gpu = _timed(PLAIN_PHASES, _plain_calls(model, optimizer, tokens), args.steps, args.warmup)
-    print(f"{args.model}, {args.nodes} node(s) of {ranks_per_node}, median of {args.steps} steps after {args.warmup}")
+    print(
+        f"{args.model}, {args.nodes} node(s) of {ranks_per_node}, {bucket_count} buckets, "
+        f"median of {args.steps} steps after {args.warmup}"
+    )
     print("| step | phase | host (ms) |")
     print("|---|---|---|")
     for label, host, gpu in (("sdp4bit", engine_host, engine_gpu), ("plain", plain_host, plain_gpu)):
