@@ -33,10 +33,14 @@ __all__ = ["BufferBroadcast"]
 class BufferBroadcast:
     """Rank 0's buffers to every rank before a forward, on DDP's schedule (see the module docstring).
 
-    `enabled=False` is DDP's `broadcast_buffers=False`: each rank keeps its own buffers."""
+    `enabled=False` is DDP's `broadcast_buffers=False`: each rank keeps its own buffers. `timeouts`
+    names the broadcast in the error of a wait that times out (`comm.Timeouts`)."""
 
-    def __init__(self, module: nn.Module, group: Any, rank: int, enabled: bool = True):
+    def __init__(
+        self, module: nn.Module, group: Any, rank: int, enabled: bool = True, timeouts: comm.Timeouts | None = None
+    ):
         self.module, self.group, self.rank, self.enabled = module, group, rank, enabled
+        self._timeouts = timeouts if timeouts is not None else comm.Timeouts(rank)
         self._sync_next = True  # DDP's require_forward_param_sync: True before the first forward
         # Per dtype: (the buffers, their concatenation [B] being broadcast, its Work handle).
         self._in_flight: list[tuple[list[Tensor], Tensor, Any]] = []
@@ -72,7 +76,8 @@ class BufferBroadcast:
         in_flight, self._in_flight = self._in_flight, []
         with torch.no_grad():
             for buffers, flat, work in in_flight:
-                work.wait()
+                with self._timeouts.named("the module buffers' broadcast"):
+                    work.wait()
                 if self.rank == 0:
                     continue  # its buffers are the source, unchanged since the start
                 pieces = torch.split(flat, [b.numel() for b in buffers])

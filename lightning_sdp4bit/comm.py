@@ -20,17 +20,37 @@ bit for bit. NCCL groups keep NCCL's own reduce-scatter and all-reduce (their or
 **Simulated groups.** A group object with `simulated = True` (`lightning_sdp4bit.simulation`)
 stands for one rank's membership of a group of ranks that all live in this process: each
 function hands the call to it.
+
+**Timeouts.** A collective that outlasts its group's timeout (a peer stalled or died) fails with
+the backend's words, and gloo's depend on where the timeout struck: the operation whose own wait
+ran out says "Timed out waiting 10000ms for recv operation to complete", every other one in flight
+on the group "Application timeout caused pair closure". Every wait of the engine and the
+strategies runs in `Timeouts.named(exchange)`, which turns either wording (`is_timeout`) into one
+`CollectiveTimeoutError` naming the exchange, the rank and the timeout, the backend's error
+chained; any other error passes through unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
+from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter", "sum_rows_into"]
+__all__ = [
+    "CollectiveTimeoutError",
+    "Timeouts",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "is_timeout",
+    "reduce_scatter",
+    "sum_rows_into",
+]
 
 # torch >= 2.13 calls the old names from the new ones and warns on the old: prefer the new.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -122,3 +142,82 @@ def broadcast(tensor: Tensor, src: int = 0, group: Any = None, async_op: bool = 
     if _simulated(group):
         return group.broadcast(tensor, src, async_op)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+# What torch 2.13's backends say when a collective outlasts its group's timeout, looked up in
+# their sources (compared in lower case). Each names a timeout and nothing else: "Connection
+# timed out" (ETIMEDOUT, a TCP failure that is not the group's timeout) is left out on purpose.
+_TIMEOUT_WORDINGS = tuple(
+    wording.lower()
+    for wording in (
+        # gloo, transport/tcp/unbound_buffer.cc: the operation whose own wait ran out ("... 10000ms
+        # for recv|send operation to complete"); then every pair of the group's context is closed,
+        # and the other operations in flight on it fail with the second wording.
+        "Timed out waiting",
+        "Application timeout caused pair closure",
+        # gloo, transport/tcp/pair.cc and socket.cc: a synchronous pair's socket, a connection.
+        "Read timeout",
+        "Write timeout",
+        "Connect timeout",
+        "timed out connecting",
+        # NCCL (ProcessGroupNCCL.cpp), raised by a wait under TORCH_NCCL_BLOCKING_WAIT=1 (otherwise
+        # its watchdog takes the process down); and c10d's Work.wait(timeout).
+        "Watchdog caught collective operation timeout",
+        "timed out in blocking wait",
+        "Operation timed out",
+    )
+)
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether `err` is a backend's report that a collective outlasted its group's timeout. gloo
+    raises RuntimeError, NCCL DistBackendError (a RuntimeError); only the words tell a timeout."""
+    if not isinstance(err, RuntimeError):
+        return False
+    text = str(err).lower()
+    return any(wording in text for wording in _TIMEOUT_WORDINGS)
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective outlasted its group's timeout: a peer rank stalled, hung or died. Names the
+    exchange, the rank that gave up and the timeout; the backend's error is its `__cause__`."""
+
+    def __init__(self, exchange: str, rank: int | None, timeout: timedelta | None):
+        self.exchange, self.rank, self.timeout = exchange, rank, timeout
+        who = "this rank" if rank is None else f"rank {rank}"
+        limit = "torch's default timeout" if timeout is None else f"timeout={timeout.total_seconds():g} s"
+        super().__init__(
+            f"sdp4bit: {who} timed out in {exchange} ({limit}): a peer rank did not take part in time "
+            "(it stalled, hung or died); the backend's own error is above"
+        )
+
+
+class Timeouts:
+    """This rank and its groups' timeout, for the errors of `named`. One per engine or strategy."""
+
+    __slots__ = ("rank", "timeout")
+
+    def __init__(self, rank: int | None = None, timeout: timedelta | None = None):
+        self.rank, self.timeout = rank, timeout
+
+    def named(self, exchange: str, bucket: int | None = None) -> _Named:
+        """The context of a wait on `exchange` (of `bucket`, if any): a timeout inside it raises
+        CollectiveTimeoutError from the backend's error. A class, not a generator: it sits on
+        every bucket's wait, and costs a few hundred nanoseconds there."""
+        return _Named(self, exchange, bucket)
+
+
+class _Named:
+    __slots__ = ("_timeouts", "_exchange", "_bucket")
+
+    def __init__(self, timeouts: Timeouts, exchange: str, bucket: int | None):
+        self._timeouts, self._exchange, self._bucket = timeouts, exchange, bucket
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, err: BaseException | None, tb: TracebackType | None) -> bool:
+        if err is None or isinstance(err, CollectiveTimeoutError) or not is_timeout(err):
+            return False  # done, named already (a nested wait), or not a timeout: it goes on as it was
+        exchange = self._exchange if self._bucket is None else f"bucket {self._bucket}'s {self._exchange}"
+        raise CollectiveTimeoutError(exchange, self._timeouts.rank, self._timeouts.timeout) from err

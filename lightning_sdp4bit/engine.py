@@ -126,6 +126,7 @@ class ShardedEngine:
     ):
         self.module, self.config, self.topology, self.groups = module, config, topology, groups
         self.meter = meter if meter is not None else WireMeter()
+        self.timeouts = comm.Timeouts(topology.rank, groups.timeout)  # every wait runs in its named()
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameters that require grad: there is nothing to shard")
@@ -155,6 +156,7 @@ class ShardedEngine:
             self._weights_landed,
             # On a GPU a wait costs the host nothing, so exchanges can go out just ahead of forward.
             weight_prefetch=_GPU_WEIGHT_PREFETCH if self.buckets[0].weights.is_cuda else None,
+            timeouts=self.timeouts,
         )
         self.step = 0
         self.grad_sync_enabled = True
@@ -171,7 +173,7 @@ class ShardedEngine:
         self.access = WeightAccess(self.buckets, topology.rank, self.wait_weights)
         self._hooks = register_hooks(self)
         # Module buffers follow DDP's broadcast_buffers: the adapters call before/after_forward.
-        self.buffers = BufferBroadcast(module, groups.world, topology.rank, config.broadcast_buffers)
+        self.buffers = BufferBroadcast(module, groups.world, topology.rank, config.broadcast_buffers, self.timeouts)
 
     # ----------------------------------------------------------------------------------------
     # Setup
@@ -182,7 +184,8 @@ class ShardedEngine:
         digest = layout_signature(layouts, extra=repr(sorted(self.config.to_dict().items())))
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
         everyone = torch.empty(self.topology.world_size, dtype=torch.int64, device=device)
-        comm.all_gather(everyone, mine, group=self.groups.world)
+        with self.timeouts.named("the all-gather that checks every rank built the same model and config"):
+            comm.all_gather(everyone, mine, group=self.groups.world)
         differing = [rank for rank, value in enumerate(everyone.tolist()) if value != everyone[0].item()]
         if differing:
             raise ValueError(
@@ -193,13 +196,14 @@ class ShardedEngine:
 
     def _broadcast_from_rank_zero(self) -> None:
         """Start every rank from rank 0's weights, frozen parameters and buffers, as DDP does."""
-        for bucket in self.buckets:
-            comm.broadcast(bucket.weights, src=0, group=self.groups.world)
-        for p in self.module.parameters():
-            if not p.requires_grad:
-                comm.broadcast(p.data, src=0, group=self.groups.world)
-        for buffer in self.module.buffers():
-            comm.broadcast(buffer, src=0, group=self.groups.world)
+        with self.timeouts.named("the broadcast of rank 0's weights, frozen parameters and buffers"):
+            for bucket in self.buckets:
+                comm.broadcast(bucket.weights, src=0, group=self.groups.world)
+            for p in self.module.parameters():
+                if not p.requires_grad:
+                    comm.broadcast(p.data, src=0, group=self.groups.world)
+            for buffer in self.module.buffers():
+                comm.broadcast(buffer, src=0, group=self.groups.world)
 
     def check_trained_set(self) -> None:
         """Raise if a parameter that was frozen when the engine was built now requires grad:
@@ -274,7 +278,8 @@ class ShardedEngine:
         with torch.no_grad():
             for bucket in self.buckets:
                 full = torch.empty(bucket.layout.numel, dtype=torch.float32, device=bucket.grad_shard.device)
-                comm.all_gather(full, bucket.grad_shard, group=self.groups.world)
+                with self.timeouts.named("reduced-gradient all-gather", bucket.layout.index):
+                    comm.all_gather(full, bucket.grad_shard, group=self.groups.world)
                 positions = [i for i in range(len(bucket.params)) if used[offset + i]]
                 bucket.carry_grads(full, positions)
                 offset += len(bucket.params)
@@ -300,7 +305,8 @@ class ShardedEngine:
             self.schedule.finish_grads()
             used_here = [position in b.received for b in self.buckets for position in range(len(b.params))]
             shards = [b.grad_shard for b in self.buckets]
-            self.verdict = decide_step(shards, used_here, self.groups.world, self.groups.host or self.groups.world)
+            with self.timeouts.named("the step verdict's all-reduces of the gradient norm and the used parameters"):
+                self.verdict = decide_step(shards, used_here, self.groups.world, self.groups.host or self.groups.world)
         self._norm_versions = self._grad_versions()
         self._decided = False
         for records in self.fragments_by_name.values():
@@ -374,7 +380,8 @@ class ShardedEngine:
         assert self.verdict is not None
         norm = self.verdict.norm
         if self._grad_versions() != self._norm_versions:
-            norm = global_squares([b.grad_shard for b in self.buckets], self.groups.world).sqrt()[0]
+            with self.timeouts.named("the global gradient norm's all-reduce"):
+                norm = global_squares([b.grad_shard for b in self.buckets], self.groups.world).sqrt()[0]
         torch._foreach_mul_([bucket.grad_shard for bucket in self.buckets], clip_coefficient(norm, max_norm))
         self._norm_versions = None
         return norm
@@ -419,7 +426,8 @@ class ShardedEngine:
         checkpoint restored each rank's slice of the replicas)."""
         with torch.no_grad():
             for bucket in self.buckets:
-                comm.all_gather(bucket.weights, bucket.weight_shard.clone(), group=self.groups.world)
+                with self.timeouts.named("weight-shard all-gather", bucket.layout.index):
+                    comm.all_gather(bucket.weights, bucket.weight_shard.clone(), group=self.groups.world)
         self.weights_loaded()
 
     def wait_weights(self, indices: Iterable[int] | None = None) -> None:

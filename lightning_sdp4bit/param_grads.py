@@ -41,7 +41,8 @@ def gradients_on_parameters(engine: ShardedEngine) -> Generator[None, None, None
     with torch.no_grad():
         for bucket in engine.buckets:
             full = torch.empty(bucket.layout.numel, dtype=torch.float32, device=bucket.grad_shard.device)
-            comm.all_gather(full, bucket.grad_shard, group=engine.groups.world)
+            with engine.timeouts.named("reduced-gradient all-gather", bucket.layout.index):
+                comm.all_gather(full, bucket.grad_shard, group=engine.groups.world)
             given = []
             for position, (slot, param) in enumerate(zip(bucket.layout.slots, bucket.params, strict=True)):
                 view = full[slot.start : slot.start + slot.numel].view(slot.shape)

@@ -33,7 +33,9 @@ on communication. Its rules:
   `progress` or `wait`) only after every earlier one's: for the same reason as the gradients'.
 
 The waits Lightning's hooks need (weights complete before a callback reads them, gradients
-reduced before a hook sees them) are calls of `wait_weights` and `finish_grads`.
+reduced before a hook sees them) are calls of `wait_weights` and `finish_grads`. Every wait and
+every move to a next stage runs in `comm.Timeouts.named`, so that a peer's stall surfaces as one
+error naming the bucket and its exchange, whatever the backend's words.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from enum import Enum
 import torch
 
 from lightning_sdp4bit.collectives import Pending
+from lightning_sdp4bit.comm import Timeouts
 
 __all__ = ["BucketSchedule", "GradPhase", "WeightPhase", "exchange_stream"]
 
@@ -76,6 +79,7 @@ class BucketSchedule:
     `start_grads(index)` and `start_weights(index)` are callables that launch one bucket's
     exchange and return its `Pending`; `on_weights_current(index)` runs once a bucket's new
     weights have landed (the engine records them as the reference for in-place edit checks).
+    `timeouts`: this rank and its groups' timeout, for the error of a wait that times out.
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class BucketSchedule:
         start_weights: Callable[[int], Pending],
         on_weights_current: Callable[[int], None],
         weight_prefetch: int | None = None,
+        timeouts: Timeouts | None = None,
     ):
         self.count = count
+        self._timeouts = timeouts if timeouts is not None else Timeouts()
         self._prefetch = weight_prefetch
         self._start_grads, self._start_weights = start_grads, start_weights
         self._on_weights_current = on_weights_current
@@ -98,7 +104,7 @@ class BucketSchedule:
         # The gradient exchanges in flight that `poll` has not yet seen move on, in launch (=
         # bucket) order: one that has moved on stays so, and is not asked again (asking every
         # one in flight after each launch was O(buckets^2) calls a step).
-        self._grads_unmoved: collections.deque[Pending] = collections.deque()
+        self._grads_unmoved: collections.deque[tuple[int, Pending]] = collections.deque()
         self._weights: dict[int, Pending] = {}
         self._weights_unmoved: collections.deque[tuple[int, Pending]] = collections.deque()  # as the gradients'
         self._weights_due: list[int] = []  # buckets whose all-gather is due but not started, in launch order
@@ -127,7 +133,7 @@ class BucketSchedule:
 
     def _launch(self, index: int) -> None:
         self._grads[index] = self._start_grads(index)
-        self._grads_unmoved.append(self._grads[index])
+        self._grads_unmoved.append((index, self._grads[index]))
         self.grad_phase[index] = GradPhase.EXCHANGING
         self._next_launch = index + 1
 
@@ -137,15 +143,21 @@ class BucketSchedule:
         group: a later bucket's first stage may complete first on one rank and not on another
         (gloo runs its work on several threads), and ranks that launched the second stages in
         different orders would pair different buckets' payloads of one size without an error."""
-        while self._grads_unmoved and self._grads_unmoved[0].progress():
-            self._grads_unmoved.popleft()
+        unmoved = self._grads_unmoved
+        while unmoved:
+            index, exchange = unmoved[0]
+            with self._timeouts.named("gradient reduce-scatter", index):
+                if not exchange.progress():
+                    return
+            unmoved.popleft()
 
     def finish_grads(self) -> None:
         """Launch what is left (in order), then wait for every gradient exchange: REDUCED."""
         while self._next_launch < self.count:
             self._launch(self._next_launch)
         for index in sorted(self._grads):
-            self._grads.pop(index).wait()
+            with self._timeouts.named("gradient reduce-scatter", index):
+                self._grads.pop(index).wait()
             self.grad_phase[index] = GradPhase.REDUCED
             self._reduced += 1
         self._grads_unmoved.clear()
@@ -194,11 +206,17 @@ class BucketSchedule:
         if wanted:
             order = list(self._weights)  # launch order
             for index in order[: max(order.index(i) for i in wanted) + 1]:
-                self._weights.pop(index).wait()
+                with self._timeouts.named("weight all-gather", index):
+                    self._weights.pop(index).wait()
                 self.weight_phase[index] = WeightPhase.CURRENT
                 self._on_weights_current(index)
         unmoved = self._weights_unmoved  # move the later ones on, in launch order
-        while unmoved and (self._weights.get(unmoved[0][0]) is not unmoved[0][1] or unmoved[0][1].progress()):
+        while unmoved:
+            index, exchange = unmoved[0]
+            if self._weights.get(index) is exchange:  # still in flight
+                with self._timeouts.named("weight all-gather", index):
+                    if not exchange.progress():
+                        break
             unmoved.popleft()  # completed above, or moved on now
 
     def exchanging_weights(self) -> list[int]:

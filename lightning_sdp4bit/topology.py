@@ -68,6 +68,7 @@ class ProcessGroups:
     intra: Any  # this rank's node; None with one rank per node
     inter: Any  # this rank's peers at the same local index; None with one node
     host: Any = None  # every rank, for CPU tensors (gloo): host-side agreement with no GPU sync
+    timeout: timedelta | None = None  # what bounds each collective on them (None: torch's default)
 
 
 def create_process_groups(topology: Topology, timeout: timedelta | None = None) -> ProcessGroups:
@@ -97,4 +98,4 @@ def create_process_groups(topology: Topology, timeout: timedelta | None = None) 
     inter = subgroup(topology.has_inter_stage, not topology.has_intra_stage, local_indices)
     ranks = list(range(topology.world_size))
     host = world if dist.get_backend() == "gloo" else dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-    return ProcessGroups(world=world, intra=intra, inter=inter, host=host)
+    return ProcessGroups(world=world, intra=intra, inter=inter, host=host, timeout=timeout)

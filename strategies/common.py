@@ -22,13 +22,14 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
 from lightning_sdp4bit import checkpoint as sharded_checkpoint
-from lightning_sdp4bit import ops
+from lightning_sdp4bit import comm, ops
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.stats import WireMeter
@@ -49,9 +50,11 @@ __all__ = [
     "check_topology",
     "connect",
     "load_ordinary_state",
+    "reduce",
     "save_sharded",
     "set_world_ranks",
     "start_weight_sync",
+    "timeouts_of",
 ]
 
 SUPPORTED_PRECISIONS = ("bf16-true", "32-true", "bf16-mixed", "16-true")
@@ -219,20 +222,40 @@ def start_weight_sync(engine: ShardedEngine, watch: CompiledRegionWatch | None) 
     return stats
 
 
-def barrier(root_device: torch.device) -> None:
+# The collectives the adapters run for Lightning and the user (sync_dist logging, barriers,
+# broadcasts) wait on the default group, where a stalled rank is as likely to be noticed as in
+# the engine's exchanges: a timeout there is named as the engine names its own (`comm.Timeouts`).
+
+
+def timeouts_of(strategy: Any) -> comm.Timeouts:
+    """The strategy's rank and `timeout=`, for the error of one of its collectives that times out."""
+    return comm.Timeouts(strategy.global_rank, strategy._timeout)
+
+
+def reduce(tensor: Any, group: Any, reduce_op: Any, timeouts: comm.Timeouts) -> Any:
+    """A tensor reduced over the ranks (self.log(sync_dist=True), fabric.all_reduce); anything else as is."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    with timeouts.named("the strategy's all-reduce for sync_dist logging or all_reduce"):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def barrier(root_device: torch.device, timeouts: comm.Timeouts) -> None:
     if not _distributed_is_initialized():
         return
-    if torch.distributed.get_backend() == "nccl":
-        torch.distributed.barrier(device_ids=[root_device.index])
-    else:
-        torch.distributed.barrier()
+    with timeouts.named("the strategy's barrier"):
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[root_device.index])
+        else:
+            torch.distributed.barrier()
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int, timeouts: comm.Timeouts) -> Any:
     if not _distributed_is_initialized():
         return obj
     holder = [obj]
-    torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+    with timeouts.named("the strategy's broadcast"):
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
     return holder[0]
 
 

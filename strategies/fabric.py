@@ -35,7 +35,6 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _Stateful
 from lightning_sdp4bit.strategies import common
 from torch import Tensor, nn
@@ -233,15 +232,13 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
     # Collectives for users (fabric.all_reduce / broadcast / barrier; all_gather is inherited)
 
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return common.reduce(tensor, group, reduce_op, common.timeouts_of(self))
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        common.barrier(self.root_device)
+        common.barrier(self.root_device, common.timeouts_of(self))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return common.broadcast_object(obj, src)
+        return common.broadcast_object(obj, src, common.timeouts_of(self))
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints: the Trainer's sharded directory (see lightning_sdp4bit.checkpoint)

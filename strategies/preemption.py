@@ -41,6 +41,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
+from lightning_sdp4bit import comm
+
 __all__ = ["PreemptionSignal"]
 
 # The logger of the handler this one replaces: "[rank: 1] Received SIGTERM: 15" reads and filters
@@ -58,6 +60,8 @@ class PreemptionSignal:
         self.signalled = False
         self._forwarded = False
         self._group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        # A rank stalled in its data loader is noticed here first, at the next batch's agreement.
+        self._timeouts = comm.Timeouts(trainer.global_rank, timeout)
         # Lightning registers `_sigterm_notifier_fn` as the SIGTERM handler after the strategy's
         # setup (Trainer._run); an instance attribute takes the place of its method.
         trainer._signal_connector._sigterm_notifier_fn = self._on_sigterm
@@ -86,7 +90,8 @@ class PreemptionSignal:
         signalled = self.signalled
         if self._group is not None:
             flag = torch.tensor([int(signalled)], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            with self._timeouts.named("the per-batch SIGTERM agreement's all-reduce"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             signalled = bool(flag.item())
         if signalled:
             log.info(rank_prefixed_message("sdp4bit: stopping at this batch (SIGTERM)", self.trainer.local_rank))

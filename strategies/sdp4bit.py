@@ -20,7 +20,6 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -362,15 +361,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
     # Collectives for users (self.log(sync_dist=True), self.all_gather, ...)
 
     def barrier(self, name: str | None = None) -> None:
-        common.barrier(self.root_device)
+        common.barrier(self.root_device, common.timeouts_of(self))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return common.broadcast_object(obj, src)
+        return common.broadcast_object(obj, src, common.timeouts_of(self))
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return common.reduce(tensor, group, reduce_op, common.timeouts_of(self))
 
 
 def _refuse_finetuning_callbacks(trainer: pl.Trainer) -> None:
