@@ -162,13 +162,16 @@ def run_engine(
             engine_step(model, engine, optimizer, tokens, timer.mark)
             timer.after_step()
         results = timer.results()
-        # The bucket at both ends of the step (emulated_tables.step_bound): the last, whose
-        # weights go out first and whose gradients are final last.
-        share = engine.buckets[-1].layout.numel / sum(bucket.layout.numel for bucket in engine.buckets)
         for result in results.values():
-            result["end_bucket_share"] = share
+            result["end_bucket_share"] = end_bucket_share(engine)
         engine.close()
     return results
+
+
+def end_bucket_share(engine: ShardedEngine) -> float:
+    """The share of the elements in the bucket at both ends of the step (emulated_tables.step_bound):
+    the last, whose weights go out first and whose gradients are final last."""
+    return engine.buckets[-1].layout.numel / sum(bucket.layout.numel for bucket in engine.buckets)
 
 
 def watch_the_turn(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], None]:
@@ -208,9 +211,10 @@ class EmulatedStrategy(SDP4BitStrategy):
     Everything else is the real adapter.
     """
 
-    def __init__(self, config: SDP4BitConfig, world: int):
+    def __init__(self, config: SDP4BitConfig, world: int, mark: Callable[[str], None] = lambda segment: None):
         super().__init__(config)
         self._emulated_world = world
+        self._mark = mark  # PhaseTimer.mark: the step's segments end where engine_step marks them
 
     @property
     def world_size(self) -> int:
@@ -225,6 +229,14 @@ class EmulatedStrategy(SDP4BitStrategy):
         if self.parallel_devices:
             ops.check_kernel_limits(self.config, self.parallel_devices[0].type)
         self._launcher = None
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        self._mark("forward")  # the loss is queued: where engine_step marks the forward's end
+        super().pre_backward(closure_loss)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)  # the gradient exchanges completed: the backward's end
+        self._mark("backward")
 
 
 class _Tokens(Dataset):
@@ -252,11 +264,20 @@ class _GPTModule(L.LightningModule):
         return make_optimizer(self.parameters(), self.device)
 
 
-class _AfterStep(L.Callback):
-    reads_weights = False  # sdp4bit: this hook needs no complete weights, so it costs no overlap
+class _StepMarks(L.Callback):
+    """The timer's step boundaries and the turn's points (`watch_the_turn`), as run_engine has them;
+    EmulatedStrategy marks the forward's and the backward's ends."""
+
+    reads_weights = False  # sdp4bit: these hooks need no complete weights, so they cost no overlap
 
     def __init__(self, timer: PhaseTimer):
-        self.timer = timer
+        self.timer, self._new_step = timer, lambda: None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._new_step = watch_the_turn(trainer.strategy.engine, self.timer)  # the engine exists from setup
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._new_step()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.timer.after_step()
@@ -267,7 +288,8 @@ def run_trainer(
 ) -> dict:
     network = Network(device, topology, args.lightning_lane)
     timer = PhaseTimer(network, phases, args, profile)
-    strategy = EmulatedStrategy(row_config(preset, topology.ranks_per_node, bucket_numel), topology.world_size)
+    config = row_config(preset, topology.ranks_per_node, bucket_numel)
+    strategy = EmulatedStrategy(config, topology.world_size, timer.mark)
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu",
         devices=1,
@@ -275,7 +297,7 @@ def run_trainer(
         precision="bf16-true",
         max_steps=timer.total_steps,
         gradient_clip_val=1.0,
-        callbacks=[_AfterStep(timer)],
+        callbacks=[_StepMarks(timer)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -294,4 +316,7 @@ def run_trainer(
     with network.install():
         trainer.fit(module, data)
     watched += [weakref.ref(module), weakref.ref(strategy), weakref.ref(strategy.engine)]
-    return timer.results()
+    results = timer.results()
+    for result in results.values():
+        result["end_bucket_share"] = end_bucket_share(strategy.engine)
+    return results

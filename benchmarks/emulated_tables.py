@@ -158,9 +158,9 @@ def _by_row(scenario: Phase, plain: tuple[list, list], runs: dict[str, list[dict
 
 
 def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
-    """Where the step goes, for the plain row and the engine rows that marked their segments (a
-    Trainer row does not; nor did runs written before segments were timed). A link that a row
-    does not use (the plain row's) counts as busy 0 ms (`_medians`)."""
+    """Where the step goes, for the plain row and the engine and Trainer rows that marked their
+    segments (runs written before segments were timed, or before the Trainer's were, did not). A
+    link that a row does not use (the plain row's) counts as busy 0 ms (`_medians`)."""
 
     lines = [
         "| row | forward (ms) | backward + gradient wait (ms) | clip + optimizer (ms) "

@@ -11,8 +11,8 @@ Checks:
 - torch.distributed calls made outside comm (Lightning's) take the world lane, or their own
   lane with lightning_lane="own", and are counted; Network.install restores everything;
 - bad arguments stop the script with a message that names the flag;
-- the dry run (tiny GPT, CPU) prints a table per scenario, with every row, and where the step
-  goes for the rows that mark their segments, Lightning's
+- the dry run (tiny GPT, CPU) prints a table per scenario, with every row, where the step goes
+  and the host for every row but the DDP estimates (the Trainer's too), Lightning's
   per-batch broadcast routed through the emulated world link, and writes the same text to
   --markdown. Its figures are not timings and nothing here asserts on them;
 - repeats: every round runs every job once, rotated, odd rounds backwards, so that no job is
@@ -187,22 +187,25 @@ def test_dry_run_prints_every_table(tmp_path):
         ]
         assert "nan" not in table and "inf" not in table
         assert "Trainer + sdp4bit: 1.0 Lightning collectives per step" in table  # the SIGTERM broadcast
-        # Where the step goes: the rows that mark their segments (a Trainer row does not).
+        # Where the step goes: every row marks its segments (a Trainer row from its strategy's
+        # pre_backward and post_backward, where engine_step marks them).
         segments = _table_rows(text, f"tiny, {scenario.split(':')[0]}: where the step goes")
-        assert list(segments) == ["plain (no strategy)", "baseline", "sdp4bit"]
+        assert list(segments) == ["plain (no strategy)", "baseline", "sdp4bit", "Trainer + sdp4bit"]
         assert all(len(cells) == 11 and "nan" not in cells for cells in segments.values())
         assert segments["plain (no strategy)"][7] == "0.0%" and segments["sdp4bit"][7] != "0.0%"  # the end bucket
         assert segments["plain (no strategy)"][6] == "-" and len(segments["sdp4bit"][6].split(" / ")) == 3
         # The turn, from the compute-only phase: within the forward and the backward it bounds.
         assert segments["plain (no strategy)"][8] == "-"
-        for row in ("baseline", "sdp4bit"):
+        assert segments["Trainer + sdp4bit"][7] == segments["sdp4bit"][7]  # the same engine's end bucket
+        for row in ("baseline", "sdp4bit", "Trainer + sdp4bit"):
             tail, head = map(float, segments[row][8].split(" / "))
             forward, backward, _ = map(float, segments[row][3].split(" / "))
             assert 0 < tail <= forward + 0.1 and 0 < head <= backward + 0.1
         # The host: each row's slowest step against its median; on the CPU no lead (one clock).
         host = _table_rows(text, f"tiny, {scenario.split(':')[0]}: the host")
-        assert list(host) == ["plain (no strategy)", "baseline", "sdp4bit"]
+        assert list(host) == ["plain (no strategy)", "baseline", "sdp4bit", "Trainer + sdp4bit"]
         assert host["plain (no strategy)"][0].startswith("- / ") and host["sdp4bit"][1:3] == ["-", "-"]
+        assert host["Trainer + sdp4bit"][1:3] == ["-", "-"]
         assert all(float(ratio) >= 1.0 for cells in host.values() for ratio in cells[0].split(" / ") if ratio != "-")
     assert out.read_text() == text
 
