@@ -46,6 +46,7 @@ from lightning_sdp4bit.guards import (
     clip_coefficient,
     decide_step,
     global_squares,
+    unfrozen_since_start,
 )
 from lightning_sdp4bit.module_hooks import register_hooks
 from lightning_sdp4bit.optim import shard_optimizer
@@ -112,9 +113,7 @@ def master_fragments(buckets: list[Bucket], rank: int, trained_names: list[str])
 
 class ShardedEngine:
     """Owns the flat buffers, the master shards, the hooks and the two collectives per bucket.
-
-    Collective at construction: every rank must build it from the same module and config.
-    """
+    Collective at construction: every rank must build it from the same module and config."""
 
     def __init__(
         self,
@@ -130,7 +129,7 @@ class ShardedEngine:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameters that require grad: there is nothing to shard")
-        self.frozen_names = {name for name, p in module.named_parameters() if not p.requires_grad}
+        self.frozen_names = [name for name, p in module.named_parameters() if not p.requires_grad]
         layouts = bucket_layouts(named, config, topology.world_size)
         self._check_ranks_agree(layouts, named[0][1].device)
         with torch.no_grad():
@@ -209,7 +208,7 @@ class ShardedEngine:
         """Raise if a parameter that was frozen when the engine was built now requires grad:
         it has no bucket, so its gradient would be silently dropped. (Freezing a trained one
         is fine: it gets no gradient, so the optimizer skips it, as under DDP.)"""
-        unfrozen = [name for name, p in self.module.named_parameters() if p.requires_grad and name in self.frozen_names]
+        unfrozen = unfrozen_since_start(self.module, self.frozen_names)
         if unfrozen:
             raise RuntimeError(
                 f"parameters {unfrozen[:8]} were frozen when fit started and now require grad. Under sdp4bit "

@@ -15,6 +15,10 @@ optimizer states (and then their collectives) would diverge:
   knows its own usage, so a small all-reduce of a CPU bitmap over a CPU (gloo) group agrees on
   it with no GPU synchronisation.
 
+One fact is local and checked before each backward: no parameter frozen when the engine was
+built requires grad now (it has no bucket, so its gradient would be dropped silently:
+`unfrozen_since_start`).
+
 A host synchronisation after backward would leave the GPU idle while the host launches the
 optimizer step, the weight exchanges and the next forward (measured on the H200: about 8 ms a
 step for a 356M GPT); only `finite` makes one, and only where it is needed.
@@ -27,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_sdp4bit import comm
 from lightning_sdp4bit.config import NonFinite
@@ -41,6 +45,7 @@ __all__ = [
     "decide_step",
     "global_squares",
     "local_squares",
+    "unfrozen_since_start",
 ]
 
 
@@ -182,6 +187,22 @@ def apply_verdict(
         if skip_on_host or not verdict.used[record.param_index]:
             record.master.grad = None
     return skip_on_host
+
+
+def unfrozen_since_start(module: nn.Module, frozen_names: list[str]) -> list[str]:
+    """Which of `frozen_names` (the parameters frozen when the engine was built) now require grad.
+
+    Runs before every backward, so it looks up those names only (none, mostly) instead of walking
+    every parameter (1.5 ms a step on a 2-core CPU at 293 parameters); a name that no longer
+    resolves to a parameter is not one that trains."""
+    unfrozen = []
+    for name in frozen_names:
+        try:
+            if module.get_parameter(name).requires_grad:
+                unfrozen.append(name)
+        except AttributeError:
+            continue
+    return unfrozen
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -11,7 +11,8 @@
   baseline equals DDPStrategy(find_unused_parameters=True) bit for bit; so does a model that runs
   one block twice in each forward (its gradients are complete when their hooks fire);
 - the engine's collectives never run on the default process group, which Lightning's own
-  collectives (the per-batch SIGTERM broadcast, sync_dist) use.
+  collectives (the per-batch SIGTERM broadcast, sync_dist) use;
+- the check before each backward names the parameters frozen at the start that train now.
 """
 
 import pytest
@@ -202,3 +203,19 @@ def test_propagate_poisons_what_ddp_poisons_without_compression():
         # global norm is NaN, and so is every weight.
         assert count["sdp4bit", None] == SDP4BitConfig.preset("sdp4bit").weight_group_size
         assert count["sdp4bit", 1.0] == total
+
+
+def test_unfrozen_since_start_names_only_frozen_parameters_that_now_train():
+    """The check before each backward looks up the names frozen at the start: one that requires
+    grad now is named, in module order; one still frozen, or no longer a parameter, is not."""
+    from lightning_sdp4bit.guards import unfrozen_since_start
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    for layer in model:
+        layer.weight.requires_grad_(False)
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["0.weight", "1.weight", "2.weight"] and unfrozen_since_start(model, frozen) == []
+    model[2].weight.requires_grad_(True)
+    model[0].weight.requires_grad_(True)
+    del model[1].weight  # no longer a parameter of the module: it cannot train
+    assert unfrozen_since_start(model, frozen) == ["0.weight", "2.weight"]
