@@ -4,7 +4,9 @@
   losses, are equal bit for bit, for presets baseline, qwd, tlq_hs and sdp4bit, at W = 4 as
   2 nodes x 2 and W = 8 as 2 x 4 (bf16 weights, AdamW with weight decay);
 - a simulation with another rounding seed ends elsewhere (the comparison can see a difference);
-- simulated groups refuse synchronous collectives and a wait before every member launched.
+- simulated groups refuse synchronous collectives and a wait before every member launched;
+- the simulated reduce-scatter's fold (multi-tensor on a GPU) takes each output's sum in member
+  order, bit for bit as a gloo group's.
 """
 
 import pytest
@@ -145,3 +147,32 @@ def test_simulated_groups_refuse_what_one_process_cannot_do():
     first.all_reduce(x, async_op=True)
     with pytest.raises(RuntimeError, match="launched all_gather where its peers launched all_reduce"):
         second.all_gather(torch.empty(8), x, async_op=True)
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+def test_the_simulated_reduce_scatter_folds_each_chunk_in_member_order(device):
+    """Member p's output is the left fold of every member's chunk p in member order, bit for bit
+    as `comm.sum_rows_into` takes it for a gloo group (on a GPU the fold is multi-tensor: one add
+    per member for all outputs). The chunks mix magnitudes, so that another order of the sums
+    (or another member's chunk) gives other bits."""
+    from lightning_sdp4bit.comm import sum_rows_into
+
+    size, n = 5, 4099
+    generator = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1e8, 1.0, -1e8, 1e-3, 3.0]).repeat_interleave(n)  # per chunk of each input
+    inputs = [(torch.randn(size * n, generator=generator) * scales.roll(q * n)).to(device) for q in range(size)]
+    group = SimulatedGroup(size)
+    outputs = [torch.empty(n, device=device) for _ in range(size)]
+    works = [group.member(p).reduce_scatter(outputs[p], inputs[p], async_op=True) for p in range(size)]
+    for work in works:
+        work.wait()
+    for p in range(size):
+        expected = torch.empty(n, device=device)
+        sum_rows_into(expected, [inputs[q].view(size, n)[p] for q in range(size)])
+        assert torch.equal(outputs[p].view(torch.int32), expected.view(torch.int32)), p
+        reordered = torch.empty(n, device=device)
+        sum_rows_into(reordered, [inputs[q].view(size, n)[p] for q in reversed(range(size))])
+        assert not torch.equal(reordered.view(torch.int32), expected.view(torch.int32))  # the order shows

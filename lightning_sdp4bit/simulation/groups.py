@@ -3,10 +3,11 @@
 A `SimulatedGroup` stands for a group of P ranks; `member(i)` is the handle rank i passes to
 `lightning_sdp4bit.comm` (which hands the call here, see its docstring). Each collective is a
 rendezvous: every member deposits its input and output, and when the last one arrives the data
-moves, by indexing, with the sums taken by `comm.sum_rows_into` in rank order, exactly as a
-gloo group of real processes sums them. Nothing blocks: the driver (`simulation.engine`) calls
-the P members of a group one after another, and waits for a collective only after all of them
-launched it (a wait before that is a bug in the driver, and raises).
+moves, by indexing, with the sums taken in rank order, exactly as a gloo group of real
+processes sums them (`comm.sum_rows_into`; a reduce-scatter's P outputs at once by
+`comm.sum_rows_into_each`). Nothing blocks: the driver (`simulation.engine`) calls the P members
+of a group one after another, and waits for a collective only after all of them launched it (a
+wait before that is a bug in the driver, and raises).
 
 Only asynchronous collectives are supported: a synchronous one would have to return before the
 other members had called it.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_sdp4bit.comm import sum_rows_into
+from lightning_sdp4bit.comm import sum_rows_into, sum_rows_into_each
 
 __all__ = ["SimulatedGroup", "SimulatedMember"]
 
@@ -139,9 +140,9 @@ class SimulatedMember:
         size = self.group.size
 
         def complete(pairs: list[tuple[Tensor, Tensor]]) -> None:
-            sent = [inp.view(size, -1) for inp, _ in pairs]
-            for p, (_, out) in enumerate(pairs):  # the fold reads the members' chunks in place
-                sum_rows_into(out, [sent[q][p] for q in range(size)])
+            outputs = [out for _, out in pairs]
+            # Member q's input, as its P chunks; the fold reads them in place.
+            sum_rows_into_each(outputs, [inp.view(size, -1).unbind() for inp, _ in pairs])
 
         return self.group._join(self.index, "reduce_scatter", (input, output), complete)
 
