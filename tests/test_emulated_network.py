@@ -1,33 +1,22 @@
-"""benchmarks/emulated_network.py and its emulation (benchmarks/emulation.py), on the CPU.
-
-Checks:
-- each loopback collective writes rank 0's share of the result (all-gather repeats the input,
-  reduce-scatter keeps the first chunk, all-to-all copies, all-reduce sums identical ranks) and
-  is charged the ring's bytes per rank for its group's size, on its group's lane, and on its
-  link by purpose (weights, gradients, other);
-- the fake process groups take the shapes of the real ones (a stage spanning the world is the
-  world group, an absent one None, with one node and with one rank per node), and a group the
-  emulation does not know goes to the world lane;
-- torch.distributed calls made outside comm (Lightning's) take the world lane, or their own
-  lane with lightning_lane="own", and are counted; Network.install restores everything;
+"""benchmarks/emulated_network.py and its emulation (benchmarks/emulation.py), on the CPU:
+- loopback collectives write rank 0's share of the result and are charged the ring's bytes per
+  rank for their group's size, on their group's lane and link, by purpose;
+- the fake process groups take the shapes of the real ones; an unknown group goes to the world
+  lane; Lightning's torch.distributed calls take the world lane or their own, and are counted;
+  Network.install restores everything;
 - bad arguments stop the script with a message that names the flag;
-- the dry run (tiny GPT, CPU) prints a table per scenario, with every row, where the step goes
-  and the host for every row but the DDP estimates (the Trainer's too), Lightning's
-  per-batch broadcast routed through the emulated world link, and writes the same text to
-  --markdown. Its figures are not timings and nothing here asserts on them;
-- repeats: every round runs every job once, rotated, odd rounds backwards, so that no job is
-  always first or always behind the same neighbour; with --repeats 2 each row shows the median of
-  its two runs (as written to --json) and their min-max, and the spread line; --tables-from
-  prints the same text again from the --json file;
-- fresh state: a run whose engine outlives it raises, naming the row; one whose engine dies does not;
+- the dry run (tiny GPT) prints a table per scenario with every row, where the step goes and
+  the host for every row but the DDP estimates (the Trainer's too), Lightning's per-batch
+  broadcast on the emulated world link, and the same text to --markdown (no timing asserted);
+- repeats: each round runs every job once, rotated, odd rounds backwards; each row shows the
+  median of its runs and their min-max; --tables-from prints the same text from --json;
+- fresh state: a run whose engine outlives it raises, naming the row;
 - a job of 64 ranks, as 16 nodes x 4 and as 8 nodes x 8 (ib400), runs;
-- activation checkpointing (gpt_step.build_gpt): parameter names and gradients unchanged, each
-  block's modules run forward twice; the engine trains a checkpointed GPT to the same weights,
-  bit for bit, its weight-wait hooks firing again during the recomputation; the dry run of
-  tiny-ckpt runs;
-- on a GPU, the middle stage of two-level exchanges queued on the engine's exchange stream gives
-  the host-driven exchange's gradient shards bit for bit, with several exchanges in flight, and
-  the second stage of two-level weight all-gathers (qWD and plain) the host-driven weights.
+- activation checkpointing: names and gradients unchanged, each block runs forward twice, the
+  engine trains a checkpointed GPT to the same weights bit for bit; its dry run runs;
+- on a GPU, two-level exchanges' middle stage (gradients) and second stage (weights) queued on
+  the exchange stream give the host-driven results bit for bit;
+- the host table names a slow step, the host's lead and the collector's passes.
 """
 
 import json
