@@ -239,7 +239,7 @@ class EmulatedStrategy(SDP4BitStrategy):
         self._mark("backward")
 
 
-class _Tokens(Dataset):
+class Tokens(Dataset):
     """`length` samples of seq + 1 tokens, cycling through one batch's worth."""
 
     def __init__(self, spec: ModelSpec, length: int):
@@ -252,7 +252,7 @@ class _Tokens(Dataset):
         return self.tokens[index % len(self.tokens)]
 
 
-class _GPTModule(L.LightningModule):
+class GPTModule(L.LightningModule):
     def __init__(self, spec: ModelSpec, device: torch.device):
         super().__init__()
         self.gpt = spec.build(device)
@@ -308,11 +308,11 @@ def run_trainer(
     # Pinned, as a GPU user's loader is: from pageable memory Lightning's copy of each batch to the
     # GPU synchronises the stream (16.7 ms of host waits in 3 steps of the 1.3B trace).
     data = DataLoader(
-        _Tokens(spec, topology.world_size * spec.batch * timer.total_steps),
+        Tokens(spec, topology.world_size * spec.batch * timer.total_steps),
         spec.batch,
         pin_memory=device.type == "cuda",
     )
-    module = _GPTModule(spec, device)
+    module = GPTModule(spec, device)
     with network.install():
         trainer.fit(module, data)
     watched += [weakref.ref(module), weakref.ref(strategy), weakref.ref(strategy.engine)]
