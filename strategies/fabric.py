@@ -328,7 +328,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
             self.engine.module.load_state_dict(meta["untrained_state"], strict=False)
             self.engine.weights_loaded()  # a tied weight's second name wrote the loaded value again
         else:
-            meta = sharded_checkpoint.read_meta(path, collective=True)
+            meta = sharded_checkpoint.read_meta(path, collective=True, timeouts=common.timeouts_of(self))
         remainder = dict(meta["lightning"])
         remainder.pop(common.SAVED_BY_FABRIC, None)
         return remainder

@@ -64,9 +64,9 @@ class ShardedCheckpoints:
                 checkpoint = super().load_checkpoint(path, weights_only=weights_only)
             except Exception as caught:
                 error = f"{path}: {describe(caught)}"
-            agree(error)
+            agree(error, timeouts=common.timeouts_of(self))
             return checkpoint
-        meta = sharded_checkpoint.read_meta(path, collective=True)
+        meta = sharded_checkpoint.read_meta(path, collective=True, timeouts=common.timeouts_of(self))
         if meta["lightning"].get(common.SAVED_BY_FABRIC) is not None:
             # Fabric's loop has no Trainer state to give: the weights, master weights, optimizer
             # state and the engine's step resume; Lightning's loops and schedulers start afresh.

@@ -7,8 +7,8 @@ whose wait raises what torch 2.13's gloo and NCCL raise:
   wording depends on where the timeout struck: the operation whose own wait ran out says "Timed
   out waiting", every other one in flight on the group "Application timeout caused pair closure"
   (the stall test once failed on the second, expecting the first);
-- the buffer broadcast, the engine's step-verdict all-reduce and the strategies' all-reduce
-  (sync_dist logging) are named the same way;
+- the buffer broadcast, the engine's step-verdict all-reduce, the strategies' all-reduce
+  (sync_dist logging) and a checkpoint's agreement all-gather are named the same way;
 - any other error (a peer's crash, an NCCL error) passes through unchanged: the same exception,
   nothing chained; and a wait inside two named contexts is named by the inner one.
 """
@@ -215,3 +215,26 @@ def test_the_strategies_name_their_all_reduce(monkeypatch):
         common.reduce(torch.ones(1), None, "mean", TIMEOUTS)
     assert "rank 3 timed out in the strategy's all-reduce for sync_dist logging or all_reduce" in str(caught.value)
     assert common.reduce("not a tensor", None, "mean", TIMEOUTS) == "not a tensor"
+
+
+def test_the_checkpoints_agreement_is_named(monkeypatch):
+    """A peer that never reaches a save's or a load's agreement (stalled on its disk, or dead):
+    with the engine's or the strategy's timeouts the all-gather's timeout is named; without,
+    the backend's error passes through as before."""
+    from lightning_sdp4bit.checkpoint.files import agree
+
+    error = RuntimeError("Application timeout caused pair closure")
+
+    def all_gather_object(outputs, obj, group=None):
+        raise error
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    with pytest.raises(CollectiveTimeoutError) as caught:
+        agree(None, "payload", timeouts=TIMEOUTS)
+    assert "rank 3 timed out in the checkpoint's agreement all-gather (timeout=10 s)" in str(caught.value)
+    assert caught.value.__cause__ is error
+    with pytest.raises(RuntimeError) as caught:
+        agree(None, "payload")
+    assert caught.value is error

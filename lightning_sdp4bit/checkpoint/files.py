@@ -18,6 +18,7 @@ XXH3-64 checksum and compares every tensor with the manifest (`verify_file`, `ch
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 from torch import Tensor
+
+from lightning_sdp4bit import comm
 
 __all__ = [
     "FORMAT",
@@ -367,16 +370,19 @@ def check_shard(file: Path, shard: dict[str, Any], record: FileRecord) -> None:
 # Agreement
 
 
-def agree(error: str | None, payload: Any = None, group: Any = None) -> list[Any]:
+def agree(error: str | None, payload: Any = None, group: Any = None, timeouts: comm.Timeouts | None = None) -> list:
     """Every rank of `group` passes its own outcome; returns every rank's payload, in rank order,
     or raises on every rank the same CheckpointError naming each failing rank and its error.
 
     One all_gather_object, so a rank that failed to read or write tells the others before they
-    enter any other collective, instead of leaving them with a peer's socket error.
+    enter any other collective, instead of leaving them with a peer's socket error. With
+    `timeouts` (the engine's or the strategy's), a peer that never arrives (stalled on its disk,
+    or dead) ends in `comm.CollectiveTimeoutError` naming this agreement.
     """
     if dist.is_available() and dist.is_initialized():
         outcomes: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(outcomes, (error, payload), group=group)
+        with timeouts.named("the checkpoint's agreement all-gather") if timeouts else contextlib.nullcontext():
+            dist.all_gather_object(outcomes, (error, payload), group=group)
     else:
         outcomes = [(error, payload)]
     failures = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message is not None]

@@ -112,11 +112,11 @@ def _load(file: Path) -> Any:
         raise CheckpointError(f"{file}: unreadable ({describe(error)})") from error
 
 
-def read_meta(path: str | os.PathLike, *, collective: bool = False) -> dict[str, Any]:
+def read_meta(path: str | os.PathLike, *, collective: bool = False, timeouts: Any = None) -> dict[str, Any]:
     """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size),
     with the generation it was read from under "generation" (for `load_sharded`). With
     `collective=True` every rank of the default process group calls it and all of them raise the
-    same CheckpointError if any rank could not read it."""
+    same CheckpointError if any rank could not read it (`timeouts`: see `agree`)."""
     if not collective:
         path = find_checkpoint(path)
         return _consistently(path, lambda manifest: _meta(path, manifest))
@@ -126,7 +126,7 @@ def read_meta(path: str | os.PathLike, *, collective: bool = False) -> dict[str,
         meta = _consistently(found, lambda manifest: _meta(found, manifest))
     except Exception as caught:
         error = describe(caught)
-    agree(error)
+    agree(error, timeouts=timeouts)
     return meta
 
 
@@ -172,7 +172,7 @@ def load_sharded(
         found, meta, shard, full = _consistently(path, read)
     except Exception as caught:
         error = describe(caught)
-    generations = agree(error, found, engine.groups.world)
+    generations = agree(error, found, engine.groups.world, engine.timeouts)
     if len(set(generations)) > 1:
         # A save committed between the ranks' reads: the ranks would resume different states.
         raise CheckpointError(

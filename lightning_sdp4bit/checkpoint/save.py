@@ -130,7 +130,7 @@ def _save_locked(
             plan = _prepare(path)
         except Exception as caught:
             error = f"saving {path}: {describe(caught)}"
-    directory, generation = agree(error, plan, group)[0]
+    directory, generation = agree(error, plan, group, engine.timeouts)[0]
     folder = Path(directory) / generation
 
     record, error = None, None
@@ -144,7 +144,7 @@ def _save_locked(
         record = FileRecord(*checksummed_save(shard, folder / shard_file(rank)), rank, tensor_records(shard))
     except Exception as caught:
         error = f"saving {folder / shard_file(rank)}: {describe(caught)}"
-    records = agree(error, record, group)
+    records = agree(error, record, group, engine.timeouts)
 
     error = None
     if rank == 0:
@@ -152,7 +152,7 @@ def _save_locked(
             _commit(engine, checkpoint, path, Path(directory), generation, records)
         except Exception as caught:
             error = f"saving {path}: {describe(caught)}"
-    agree(error, None, group)
+    agree(error, None, group, engine.timeouts)
     if rank == 0:
         _remove_leftovers(path, generation)
     barrier()
