@@ -14,6 +14,8 @@ import socket
 
 import torch.distributed as dist
 
+from lightning_sdp4bit import comm
+
 __all__ = ["gather_addresses", "local_address", "lost_peer_note"]
 
 _PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
@@ -33,10 +35,12 @@ def local_address() -> str:
         return "unknown"
 
 
-def gather_addresses() -> list[str]:
-    """Every rank's `local_address()`, by global rank. Collective over the default group."""
+def gather_addresses(timeouts: comm.Timeouts) -> list[str]:
+    """Every rank's `local_address()`, by global rank. Collective over the default group: a rank
+    that never arrives ends in `comm.CollectiveTimeoutError` naming this gather."""
     addresses: list = [None] * dist.get_world_size()
-    dist.all_gather_object(addresses, local_address())
+    with timeouts.named("the all-gather of the ranks' addresses at setup"):
+        dist.all_gather_object(addresses, local_address())
     return addresses
 
 

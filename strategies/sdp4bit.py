@@ -142,7 +142,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
             self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
         )
         # Every rank's address, so that a connection error names the lost peer (on_exception).
-        self._peer_addresses = peers.gather_addresses() if self.world_size > 1 else []
+        self._peer_addresses = peers.gather_addresses(common.timeouts_of(self)) if self.world_size > 1 else []
 
     def set_world_ranks(self) -> None:
         common.set_world_ranks(self)

@@ -8,7 +8,8 @@ whose wait raises what torch 2.13's gloo and NCCL raise:
   out waiting", every other one in flight on the group "Application timeout caused pair closure"
   (the stall test once failed on the second, expecting the first);
 - the buffer broadcast, the engine's step-verdict all-reduce, the strategies' all-reduce
-  (sync_dist logging) and a checkpoint's agreement all-gather are named the same way;
+  (sync_dist logging), a checkpoint's agreement all-gather and the address gather at setup are
+  named the same way;
 - any other error (a peer's crash, an NCCL error) passes through unchanged: the same exception,
   nothing chained; and a wait inside two named contexts is named by the inner one.
 """
@@ -238,3 +239,19 @@ def test_the_checkpoints_agreement_is_named(monkeypatch):
     with pytest.raises(RuntimeError) as caught:
         agree(None, "payload")
     assert caught.value is error
+
+
+def test_the_address_gather_at_setup_is_named(monkeypatch):
+    from lightning_sdp4bit.strategies import peers
+
+    error = RuntimeError(GLOO + "unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete")
+
+    def all_gather_object(outputs, obj, group=None):
+        raise error
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    with pytest.raises(CollectiveTimeoutError) as caught:
+        peers.gather_addresses(TIMEOUTS)
+    assert "rank 3 timed out in the all-gather of the ranks' addresses at setup (timeout=10 s)" in str(caught.value)
+    assert caught.value.__cause__ is error
