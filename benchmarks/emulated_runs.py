@@ -239,7 +239,7 @@ class EmulatedStrategy(SDP4BitStrategy):
         self._mark("backward")
 
 
-class Tokens(Dataset):
+class _Tokens(Dataset):
     """`length` samples of seq + 1 tokens, cycling through one batch's worth."""
 
     def __init__(self, spec: ModelSpec, length: int):
@@ -283,21 +283,17 @@ class _StepMarks(L.Callback):
         self.timer.after_step()
 
 
-def run_trainer(
-    spec: ModelSpec, preset: str, bucket_numel: int | None, topology: Topology, phases, args, device, profile, watched
-) -> dict:
-    network = Network(device, topology, args.lightning_lane)
-    timer = PhaseTimer(network, phases, args, profile)
-    config = row_config(preset, topology.ranks_per_node, bucket_numel)
-    strategy = EmulatedStrategy(config, topology.world_size, timer.mark)
+def trainer_and_data(spec: ModelSpec, strategy: EmulatedStrategy, device: torch.device, steps: int, callback):
+    """The Trainer of a Trainer row (bf16, clipping at 1.0, nothing logged or saved) for `steps`
+    steps with `callback`, and the loader of rank 0's batches for them."""
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu",
         devices=1,
         strategy=strategy,
         precision="bf16-true",
-        max_steps=timer.total_steps,
+        max_steps=steps,
         gradient_clip_val=1.0,
-        callbacks=[_StepMarks(timer)],
+        callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -308,10 +304,19 @@ def run_trainer(
     # Pinned, as a GPU user's loader is: from pageable memory Lightning's copy of each batch to the
     # GPU synchronises the stream (16.7 ms of host waits in 3 steps of the 1.3B trace).
     data = DataLoader(
-        Tokens(spec, topology.world_size * spec.batch * timer.total_steps),
-        spec.batch,
-        pin_memory=device.type == "cuda",
+        _Tokens(spec, strategy.world_size * spec.batch * steps), spec.batch, pin_memory=device.type == "cuda"
     )
+    return trainer, data
+
+
+def run_trainer(
+    spec: ModelSpec, preset: str, bucket_numel: int | None, topology: Topology, phases, args, device, profile, watched
+) -> dict:
+    network = Network(device, topology, args.lightning_lane)
+    timer = PhaseTimer(network, phases, args, profile)
+    config = row_config(preset, topology.ranks_per_node, bucket_numel)
+    strategy = EmulatedStrategy(config, topology.world_size, timer.mark)
+    trainer, data = trainer_and_data(spec, strategy, device, timer.total_steps, _StepMarks(timer))
     module = GPTModule(spec, device)
     with network.install():
         trainer.fit(module, data)

@@ -20,14 +20,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from emulated_runs import MODELS, EmulatedStrategy, GPTModule, Tokens, row_config  # noqa: E402
+from emulated_runs import MODELS, EmulatedStrategy, GPTModule, row_config, trainer_and_data  # noqa: E402
 from emulation import Network  # noqa: E402
 from gpt_step import engine_step, make_optimizer  # noqa: E402
 
@@ -89,22 +88,7 @@ def test_the_trainers_step_makes_no_host_synchronisation():
     topology, network = _network(device)
     strategy = EmulatedStrategy(row_config("sdp4bit", topology.ranks_per_node, None), topology.world_size)
     steps = WARMUP + CHECKED
-    data = DataLoader(Tokens(spec, topology.world_size * spec.batch * steps), spec.batch, pin_memory=True)
     with contextlib.ExitStack() as checked, network.install():
-        trainer = L.Trainer(
-            accelerator="gpu",
-            devices=1,
-            strategy=strategy,
-            precision="bf16-true",
-            max_steps=steps,
-            gradient_clip_val=1.0,
-            callbacks=[_CheckFromWarmup(checked)],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-        )
+        trainer, data = trainer_and_data(spec, strategy, device, steps, _CheckFromWarmup(checked))
         trainer.fit(GPTModule(spec, device), data)
     assert trainer.global_step == steps
