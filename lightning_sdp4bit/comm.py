@@ -59,26 +59,24 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def sum_rows_into(output: Tensor, rows: Tensor | Sequence[Tensor]) -> None:
-    """output [n] = rows[0] + rows[1] + ... + rows[P-1], added left to right in that order.
-
-    rows: [P, n], or P tensors [n] (views need not be contiguous). The one definition of a
-    cross-rank sum that gloo groups and simulated groups share: a left fold in rank order, so that
-    the result depends on nothing but the rows."""
-    output.copy_(rows[0])
-    for row in rows[1:]:
-        output.add_(row)
-
-
 def sum_rows_into_each(outputs: Sequence[Tensor], rows: Sequence[Sequence[Tensor]]) -> None:
-    """outputs[p] = rows[0][p] + rows[1][p] + ... + rows[P-1][p] for every p: `sum_rows_into` of
-    each output, the same left fold in the same order, taken for all outputs at once with one
-    multi-tensor copy and one multi-tensor add per row (on a GPU a launch or two each, instead
-    of one per output: a simulated reduce-scatter over P members has P outputs)."""
+    """outputs[p] = rows[0][p] + rows[1][p] + ... + rows[P-1][p] for every p, added left to right
+    in that order (views need not be contiguous).
+
+    The one definition of a cross-rank sum that gloo groups and simulated groups share: a left
+    fold in rank order, so that the result depends on nothing but the rows. Taken for every
+    output at once, with one multi-tensor copy and one multi-tensor add per row: on a GPU a
+    launch or two each, not one per output (a simulated reduce-scatter over P members has P)."""
     outputs = list(outputs)
     torch._foreach_copy_(outputs, list(rows[0]))
     for row in rows[1:]:
         torch._foreach_add_(outputs, list(row))
+
+
+def sum_rows_into(output: Tensor, rows: Tensor | Sequence[Tensor]) -> None:
+    """output [n] = rows[0] + rows[1] + ... + rows[P-1]: `sum_rows_into_each` of one output.
+    rows: [P, n], or P tensors [n]."""
+    sum_rows_into_each([output], [[row] for row in rows])
 
 
 class _SumOnWait:
