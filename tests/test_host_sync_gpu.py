@@ -10,7 +10,8 @@ over the emulated network (benchmarks/emulation.py), with the GPT of its dry run
   under the uncompressed preset and sdp4bit, fused AdamW (which skips a non-finite step on the
   device);
 - the same step through Lightning's Trainer (the benchmark's SDP4BitStrategy subclass, rank 0 of
-  8: Lightning's own loop, its batch transfer from pinned memory and the adapter's hooks).
+  8: Lightning's own loop, its batch transfer from pinned memory and the adapter's hooks), from
+  the start of the first checked step to the end of the last (not fit's teardown).
 """
 
 import contextlib
@@ -80,6 +81,12 @@ class _CheckFromWarmup(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == WARMUP:
             self.checked.enter_context(_no_host_sync())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # The check ends with the last step: after fit, Lightning's teardown moves the optimizer's
+        # state to the host (a blocking copy by design, once a run, not a step's).
+        if batch_idx == WARMUP + CHECKED - 1:
+            self.checked.close()
 
 
 @GPU
