@@ -23,7 +23,9 @@ max(compute, link) ignores all four.
 `host_table`: whether the host kept ahead of the GPU. The slowest timed step against the median
 one (a single host stall, such as a garbage collector's full pass, shows there); how far ahead
 of the GPU the host queued the end of each segment (near 0: the GPU waited for the host's
-launches); and the garbage collector's passes while the phases were timed.
+launches); the garbage collector's passes while the phases were timed; and the caching
+allocator's cudaMalloc, cudaFree and synchronisations of every stream (each stalls the host or
+the GPU; none is expected once the allocator has warmed up).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import math
 import statistics
 
 from emulation import latency_ns
-from phase_timer import SEGMENTS, Phase
+from phase_timer import ALLOCATOR_CALLS, SEGMENTS, Phase
 
 SPREAD_LIMIT = 0.03  # the targets ask about differences of ~3%: a row that moves more cannot show them
 LANES = ("intra", "inter", "world", "nvlink", "nic", "latency")
@@ -224,11 +226,22 @@ def _collector(results: list[dict]) -> tuple[float, float, float]:
     )
 
 
-def _host_cells(results: list[dict]) -> tuple[str, str, str]:
+def _allocator(results: list[dict]) -> str:
+    """The allocator's calls per timed step over the repeats (phase_timer.ALLOCATOR_CALLS); "-"
+    where a run has none (the CPU, --json files from before)."""
+    if not all(r.get("allocator") for r in results):
+        return "-"
+    return " / ".join(
+        f"{statistics.fmean(r['allocator'][name] for r in results):.1f}" for name in ALLOCATOR_CALLS.values()
+    )
+
+
+def _host_cells(results: list[dict]) -> tuple[str, str, str, str]:
     """One phase's cells of host_table: the slowest step / the median, the host's lead at each
-    segment's end, the collector's passes; "-" for a phase the row did not run."""
+    segment's end, the collector's passes, the allocator's calls; "-" for a phase the row did not
+    run."""
     if not results:
-        return "-", "-", "-"
+        return "-", "-", "-", "-"
     steps = [step for r in results for step in r["steps_ms"]]
     leads = _medians(results, "host_lead_ms", SEGMENTS) if all(r["host_lead_ms"] for r in results) else {}
     full, every, ms = _collector(results)
@@ -236,6 +249,7 @@ def _host_cells(results: list[dict]) -> tuple[str, str, str]:
         _fmt(max(steps) / statistics.median(steps), 2),
         " / ".join(_fmt(v, 2) for v in leads.values()) or "-",
         f"{full:.2f} / {every:.2f} ({ms:.1f})",
+        _allocator(results),
     )
 
 
@@ -243,12 +257,14 @@ def host_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, l
     """Per row that timed its steps one by one (phase_timer's steps_ms; not the runs of --json
     files written before): in the scenario's phase and the compute-only one, the slowest step
     against the median, the host's lead over the GPU at each segment's end (medians) and the
-    garbage collector's passes. The plain row has only the compute-only phase."""
+    garbage collector's passes and the allocator's calls. The plain row has only the compute-only
+    phase."""
     lines = [
         "| row | slowest step / median: network / compute-only | host ahead of the GPU at the end of forward / "
         "backward / optimizer: network (ms) | the same: compute-only (ms) | collector's passes per timed step, "
-        "full / all (their ms): network; compute-only |",
-        "|---|---|---|---|---|",
+        "full / all (their ms): network; compute-only | allocator per timed step, cudaMalloc / cudaFree / "
+        "syncs: network; compute-only |",
+        "|---|---|---|---|---|---|",
     ]
     measured = _by_row(scenario, ([], plain), runs)
     for name, phases in measured.items():
@@ -256,7 +272,8 @@ def host_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, l
             continue
         network, compute = (_host_cells(results) for results in phases)
         lines.append(
-            f"| {name} | {network[0]} / {compute[0]} | {network[1]} | {compute[1]} | {network[2]}; {compute[2]} |"
+            f"| {name} | {network[0]} / {compute[0]} | {network[1]} | {compute[1]} | {network[2]}; {compute[2]} "
+            f"| {network[3]}; {compute[3]} |"
         )
     if len(lines) == 2:
         return ""
@@ -264,7 +281,9 @@ def host_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, l
         "Host ahead: how long after the host queued a segment's end the GPU ran it (median over the timed steps; "
         "the two clocks tied together on an idle GPU at the end of each phase). Near 0, the GPU had caught up and "
         "waited for the host's launches. A single slow step (a stall of the host, such as a full pass of the "
-        "garbage collector) shows as the slowest step well above the median."
+        "garbage collector) shows as the slowest step well above the median. Allocator: the caching allocator's "
+        "calls that stall the host or the GPU (a cudaFree waits for the whole GPU; a sync of every stream follows a "
+        "failed cudaMalloc), per timed step."
     )
     return "\n".join([f"#### {model}, {scenario.name}: the host", "", *lines, "", note, ""])
 

@@ -21,6 +21,10 @@ together (a synchronize, then an event the idle GPU runs at once). So each mark 
 the host ran ahead of the GPU when it queued the mark (`host_lead_ms`): near 0, the GPU had
 caught up and waited for the host's launches there. A phase also reports each timed step's
 length (`steps_ms`: one slow step shows) and the garbage collector's passes while it was timed.
+On a GPU also the caching allocator's calls that stall the host or the device while it was timed
+(`allocator`): cudaMalloc and cudaFree (a cudaFree waits for the whole device), and its
+synchronisations of every stream (when a cudaMalloc fails it frees its cache: a synchronisation
+that `torch.cuda.set_sync_debug_mode` does not report).
 """
 
 from __future__ import annotations
@@ -37,10 +41,18 @@ import torch
 from emulation import Network
 from trace_summary import covered, merged
 
-__all__ = ["PROFILED", "SEGMENTS", "Phase", "PhaseTimer", "idle_by_segment"]
+__all__ = ["ALLOCATOR_CALLS", "PROFILED", "SEGMENTS", "Phase", "PhaseTimer", "allocator_per_step", "idle_by_segment"]
 
 PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
 SEGMENTS = ("forward", "backward", "optimizer")
+# torch.cuda.memory_stats() counters -> the names `allocator` reports them under
+ALLOCATOR_CALLS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree", "num_sync_all_streams": "syncs"}
+
+
+def allocator_per_step(before: dict[str, int], after: dict[str, int], steps: int) -> dict[str, float]:
+    """The allocator's calls (ALLOCATOR_CALLS) per step between two readings of
+    torch.cuda.memory_stats(); a counter this torch does not keep is left out."""
+    return {name: (after[key] - before[key]) / steps for key, name in ALLOCATOR_CALLS.items() if key in before}
 
 
 def idle_by_segment(spans: list[tuple[str, float, float]], busy: list[tuple[float, float]]) -> dict[str, float]:
@@ -144,6 +156,7 @@ class PhaseTimer:
             self.network.reset()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+            self._allocator_before = torch.cuda.memory_stats()
         self._open[phase.name] = self._last_clock = self._clock()
         self._segments, self._points, self._host_marks, self._gc_passes = [], [], [], []
         gc.callbacks.append(self._on_gc)
@@ -177,6 +190,9 @@ class PhaseTimer:
             # per timed step, by generation 0, 1, 2 (a list: it reads back from --json as written)
             "gc_passes": [sum(1 for g, _ in self._gc_passes if g == gen) / self.steps for gen in range(3)],
             "gc_ms": sum(ns for _, ns in self._gc_passes) / 1e6 / self.steps,
+            "allocator": allocator_per_step(self._allocator_before, torch.cuda.memory_stats(), self.steps)
+            if self.cuda
+            else {},
         }
 
     def _start_profile(self) -> None:
@@ -195,7 +211,8 @@ class PhaseTimer:
         link_idle_ms (the network link's idle ms per step within each segment; empty likewise),
         points_ms (each `point` name -> its mean ms from its step's forward mark, negative before),
         steps_ms (each marked step's length), host_lead_ms (per segment, the median ms the GPU ran
-        its end after the host queued it; empty on the CPU), gc_passes and gc_ms (per timed step)."""
+        its end after the host queued it; empty on the CPU), gc_passes and gc_ms (per timed step),
+        allocator (`allocator_per_step`; empty on the CPU)."""
         if self._marks:
             raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
         if self.cuda:

@@ -17,7 +17,7 @@ emulated_tables.step_bound.
 - a point within a marked step is read against that step's forward mark;
 - each timed step's length is reported, and the garbage collector's passes while a phase is
   timed (and none outside it); the host's lead over the GPU at each mark is read against an
-  anchor taken with both clocks together.
+  anchor taken with both clocks together; the allocator's calls are counted per step.
 """
 
 import gc
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import phase_timer  # noqa: E402
 from emulated_tables import step_bound  # noqa: E402
 from emulation import Network  # noqa: E402
-from phase_timer import Phase, PhaseTimer, idle_by_segment  # noqa: E402
+from phase_timer import Phase, PhaseTimer, allocator_per_step, idle_by_segment  # noqa: E402
 
 import lightning_sdp4bit.comm as comm  # noqa: E402
 from lightning_sdp4bit.topology import Topology  # noqa: E402
@@ -167,3 +167,10 @@ def test_the_hosts_lead_is_how_long_after_queueing_a_mark_the_gpu_ran_it():
     clocks = [("forward", None, _Event(310.0)), ("backward", None, _Event(400.5))]
     leads = PhaseTimer._host_leads(clocks, (1000_000_000, _Event(1100.0)), [200_000_000, 300_000_000])
     assert leads == pytest.approx({"forward": 10.0, "backward": 0.5})
+
+
+def test_the_allocators_calls_are_counted_per_step_from_two_readings():
+    before = {"num_device_alloc": 10, "num_device_free": 4, "num_sync_all_streams": 1, "allocated_bytes.all.current": 7}
+    after = {"num_device_alloc": 16, "num_device_free": 4, "num_sync_all_streams": 3, "allocated_bytes.all.current": 9}
+    assert allocator_per_step(before, after, 2) == {"cudaMalloc": 3.0, "cudaFree": 0.0, "syncs": 1.0}
+    assert allocator_per_step({}, {}, 2) == {}  # a torch without the counters
