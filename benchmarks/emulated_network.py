@@ -82,7 +82,7 @@ from emulated_runs import (
     run_trainer,
     scenario_phase,
 )
-from emulated_tables import host_table, scenario_table, segment_table
+from emulated_tables import engine_work_table, host_table, scenario_table, segment_table
 from emulation import LIGHTNING_LANES
 from gpu_wait import spin_accuracy, spin_cost
 from phase_timer import Phase
@@ -297,9 +297,8 @@ def tabulate(model: str, raw: list[dict], args) -> list[str]:
         by_row = {row: repeats(row, key) for row in rows}
         for phase in phases[1:]:
             tables.append(scenario_table(model, phase, plain, by_row, args))
-            tables += [
-                t for t in (segment_table(model, phase, plain, by_row), host_table(model, phase, plain, by_row)) if t
-            ]
+            more = (segment_table, engine_work_table, host_table)
+            tables += [t for t in (table(model, phase, plain, by_row) for table in more) if t]
     return tables
 
 

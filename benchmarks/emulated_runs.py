@@ -156,7 +156,7 @@ def run_engine(
         engine.shard_optimizer(optimizer)
         tokens = spec.tokens(device)
         timer = PhaseTimer(network, phases, args, profile)
-        new_step = watch_the_turn(engine, timer)
+        new_step = watch_the_engine(engine, timer)
         for _ in range(timer.total_steps):
             new_step()
             engine_step(model, engine, optimizer, tokens, timer.mark)
@@ -174,30 +174,40 @@ def end_bucket_share(engine: ShardedEngine) -> float:
     return engine.buckets[-1].layout.numel / sum(bucket.layout.numel for bucket in engine.buckets)
 
 
-def watch_the_turn(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], None]:
-    """Mark the turn from forward to backward in each step, where the network link has nothing to
-    send: `timer.point("last_weights")` when the forward first waits for bucket 0's weights (the
-    last layers': the last bucket it needs), `timer.point("first_gradients")` when the backward
-    has handed over every gradient of bucket 0 (the first it finishes). Wraps the engine's
-    entries for its module hooks; returns what to call before each step."""
-    wait_weights, on_grad_ready = engine.wait_weights, engine.on_grad_ready
+def watch_the_engine(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], None]:
+    """Bracket every call the model's hooks and the step make into the engine (`timer.bracket`):
+    "weights" (`wait_weights`: the compute stream's waits for the weights and their update),
+    "gradient hooks" (`on_grad_ready`: each gradient's copy into its bucket, a full bucket's encode
+    and launch) and "gradient finish" (`finish_grad_sync`: the wait for the last exchanges and
+    the decode into the shards). And mark the turn from forward to backward in each step, where
+    the network link has nothing to send: `timer.point("last_weights")` when the forward first
+    waits for bucket 0's weights (the last layers': the last bucket it needs),
+    `timer.point("first_gradients")` when the backward has handed over every gradient of bucket 0
+    (the first it finishes). Wraps the engine's entries; returns what to call before each step."""
+    wait_weights, on_grad_ready, finish_grad_sync = engine.wait_weights, engine.on_grad_ready, engine.finish_grad_sync
     first = len(engine.buckets[0].params)
     state = {"waited": False, "arrived": 0}
 
     def waiting(indices=None) -> None:
-        wait_weights(indices)
+        with timer.bracket("weights"):
+            wait_weights(indices)
         if indices is not None and 0 in indices and not state["waited"]:
             state["waited"] = True
             timer.point("last_weights")
 
     def arrived(index: int, position: int) -> None:
-        on_grad_ready(index, position)
+        with timer.bracket("gradient hooks"):
+            on_grad_ready(index, position)
         if index == 0:
             state["arrived"] += 1
             if state["arrived"] == first:
                 timer.point("first_gradients")
 
-    engine.wait_weights, engine.on_grad_ready = waiting, arrived
+    def finishing() -> None:
+        with timer.bracket("gradient finish"):
+            finish_grad_sync()
+
+    engine.wait_weights, engine.on_grad_ready, engine.finish_grad_sync = waiting, arrived, finishing
     return lambda: state.update(waited=False, arrived=0)
 
 
@@ -265,8 +275,8 @@ class GPTModule(L.LightningModule):
 
 
 class _StepMarks(L.Callback):
-    """The timer's step boundaries and the turn's points (`watch_the_turn`), as run_engine has them;
-    EmulatedStrategy marks the forward's and the backward's ends."""
+    """The timer's step boundaries, the engine's brackets and the turn's points (`watch_the_engine`),
+    as run_engine has them; EmulatedStrategy marks the forward's and the backward's ends."""
 
     reads_weights = False  # sdp4bit: these hooks need no complete weights, so they cost no overlap
 
@@ -274,7 +284,7 @@ class _StepMarks(L.Callback):
         self.timer, self._new_step = timer, lambda: None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._new_step = watch_the_turn(trainer.strategy.engine, self.timer)  # the engine exists from setup
+        self._new_step = watch_the_engine(trainer.strategy.engine, self.timer)  # the engine exists from setup
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._new_step()

@@ -14,7 +14,10 @@ NIC across nodes) records when it is busy, and each segment also reports how lon
 sat idle within it (`idle_by_segment`): where in the step the network waits for the GPU.
 A `point(name)` within a marked step is reported as its offset from the step's forward mark
 (emulated_runs marks when the forward waits for its last bucket and when the backward has
-finished its first: the ends of the turn from forward to backward).
+finished its first: the ends of the turn from forward to backward). A `bracket(name)` around a
+call times the compute stream from the call's start to its end, summed per name
+(`brackets_ms`): the kernels the call queued there and the stream's waits for other streams
+(emulated_runs brackets every call the model's hooks and the step make into the engine).
 
 The host: each mark also reads the host's clock, and the end of a phase ties the two clocks
 together (a synchronize, then an event the idle GPU runs at once). So each mark gives how far
@@ -29,6 +32,7 @@ that `torch.cuda.set_sync_debug_mode` does not report).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -125,6 +129,17 @@ class PhaseTimer:
         if self._last_clock is not None:
             self._points.append((name, len(self._segments), self._clock()))
 
+    @contextlib.contextmanager
+    def bracket(self, name: str):
+        """Time the compute stream's work between entering and leaving (counted only while a
+        phase is timed): `results()` gives each name's ms per timed step."""
+        if self._last_clock is None:
+            yield
+            return
+        start = self._clock()
+        yield
+        self._brackets.append((name, start, self._clock()))
+
     def after_step(self) -> None:
         if self._segments and self._segments[-1][0] == SEGMENTS[-2]:  # a step that marks its segments
             self.mark(SEGMENTS[-1])
@@ -159,6 +174,7 @@ class PhaseTimer:
             self._allocator_before = torch.cuda.memory_stats()
         self._open[phase.name] = self._last_clock = self._clock()
         self._segments, self._points, self._host_marks, self._gc_passes = [], [], [], []
+        self._brackets: list[tuple[str, object, object]] = []
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -185,6 +201,7 @@ class PhaseTimer:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
             "segment_clocks": self._segments,
             "point_clocks": self._points,
+            "bracket_clocks": self._brackets,
             "link_clocks": (since, link_clocks),
             "host_marks": (anchor, self._host_marks),
             # per timed step, by generation 0, 1, 2 (a list: it reads back from --json as written)
@@ -210,6 +227,7 @@ class PhaseTimer:
         segments_ms (SEGMENTS -> ms per step; empty for a step that does not mark them) and
         link_idle_ms (the network link's idle ms per step within each segment; empty likewise),
         points_ms (each `point` name -> its mean ms from its step's forward mark, negative before),
+        brackets_ms (each `bracket` name -> its ms per timed step),
         steps_ms (each marked step's length), host_lead_ms (per segment, the median ms the GPU ran
         its end after the host queued it; empty on the CPU), gc_passes and gc_ms (per timed step),
         allocator (`allocator_per_step`; empty on the CPU)."""
@@ -237,6 +255,10 @@ class PhaseTimer:
                 if forward < len(spans) and spans[forward][0] == SEGMENTS[0]:
                     offsets.setdefault(name, []).append(ms(clock) - spans[forward][2])
             result["points_ms"] = {name: statistics.fmean(values) for name, values in offsets.items()}
+            brackets: dict[str, float] = {}
+            for name, begin, end in result.pop("bracket_clocks"):
+                brackets[name] = brackets.get(name, 0.0) + (ms(end) - ms(begin)) / self.steps
+            result["brackets_ms"] = brackets
             result["steps_ms"] = self._steps_ms(spans)
             result["host_lead_ms"] = self._host_leads(clocks, *result.pop("host_marks"))
         return self._done

@@ -5,8 +5,9 @@
   lane; Lightning's torch.distributed calls take the world lane or their own, and are counted;
   Network.install restores everything;
 - bad arguments stop the script with a message that names the flag;
-- the dry run (tiny GPT) prints a table per scenario with every row, where the step goes and
-  the host for every row but the DDP estimates (the Trainer's too), Lightning's per-batch
+- the dry run (tiny GPT) prints a table per scenario with every row, where the step goes, the
+  engine's calls on the compute stream and the host for every row but the DDP estimates (the
+  Trainer's too), Lightning's per-batch
   broadcast on the emulated world link, and the same text to --markdown (no timing asserted);
 - repeats: each round runs every job once, rotated, odd rounds backwards; each row shows the
   median of its runs and their min-max; --tables-from prints the same text from --json;
@@ -183,6 +184,10 @@ def test_dry_run_prints_every_table(tmp_path):
             tail, head = map(float, segments[row][8].split(" / "))
             forward, backward, _ = map(float, segments[row][3].split(" / "))
             assert 0 < tail <= forward + 0.1 and 0 < head <= backward + 0.1
+        # The engine on the compute stream: every engine row brackets its three kinds of calls.
+        work = _table_rows(text, f"tiny, {scenario.split(':')[0]}: the engine on the compute stream")
+        assert list(work) == ["baseline", "sdp4bit", "Trainer + sdp4bit"]
+        assert all(float(v) > 0 for cells in work.values() for cell in cells[1:] for v in cell.split(" / "))
         # The host: each row's slowest step against its median; on the CPU no lead (one clock).
         host = _table_rows(text, f"tiny, {scenario.split(':')[0]}: the host")
         assert list(host) == ["plain (no strategy)", "baseline", "sdp4bit", "Trainer + sdp4bit"]
@@ -372,3 +377,29 @@ def test_the_host_table_names_a_slow_step_the_hosts_lead_the_collectors_passes_a
             "0.0 / 0.0 / 0.0; 1.0 / 0.5 / 0.0",  # the mean of the repeats
         ],
     }
+
+
+def test_the_engine_work_table_sets_each_segments_excess_beside_the_engines_calls():
+    from emulated_tables import engine_work_table
+    from phase_timer import Phase
+
+    def phase(forward, calls):
+        segments = {"forward": forward, "backward": 100.0, "optimizer": 10.0}
+        return {
+            "segments_ms": segments,
+            "brackets_ms": dict(zip(("weights", "gradient hooks", "gradient finish"), calls)),
+        }
+
+    plain = [phase(40.0, ())]  # the plain step calls no engine
+    runs = {
+        "sdp4bit": [
+            {"compute": phase(44.0, (1.0, 2.0, 0.5)), "eth100": phase(60.0, (9.0, 2.5, 0.5))},
+            {"compute": phase(46.0, (1.5, 2.0, 0.5)), "eth100": phase(61.0, (9.5, 2.5, 0.5))},
+            {"compute": phase(45.0, (1.2, 2.0, 0.5)), "eth100": phase(62.0, (9.2, 2.5, 0.5))},
+        ],
+        "old": [{"compute": {"step_ms": 1.0}, "eth100": {"step_ms": 1.0}}],  # a --json file from before
+    }
+    rows = _table_rows(
+        engine_work_table("1.3b", Phase("eth100"), plain, runs), "1.3b, eth100: the engine on the compute stream"
+    )
+    assert rows == {"sdp4bit": ["+5.0 / +0.0 / +0.0", "9.20 / 2.50 / 0.50", "1.20 / 2.00 / 0.50"]}  # medians

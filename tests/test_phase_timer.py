@@ -14,7 +14,8 @@ emulated_tables.step_bound.
   bucket, the forward waits for its share of the weights' link time first, and its share of the
   gradients' crosses after the backward; the turn's forward tail follows the weights, and its
   backward head precedes the gradients;
-- a point within a marked step is read against that step's forward mark;
+- a point within a marked step is read against that step's forward mark; a bracket's time is
+  summed per name over the timed steps, and not counted outside them;
 - each timed step's length is reported, and the garbage collector's passes while a phase is
   timed (and none outside it); the host's lead over the GPU at each mark is read against an
   anchor taken with both clocks together; the allocator's calls are counted per step.
@@ -60,6 +61,19 @@ def test_marked_steps_are_timed_in_segments_that_tile_the_step(ticking_clock):
         # end clock comes one reading after the last step's end.
         assert results[name]["segments_ms"] == {"forward": 1000.0, "backward": 1000.0, "optimizer": 1000.0}
         assert results[name]["step_ms"] == pytest.approx(3000.0 + 1000.0 / ARGS.steps)
+
+
+def test_brackets_are_summed_per_name_over_the_timed_steps_only(ticking_clock):
+    timer = PhaseTimer(None, [Phase("compute")], ARGS, None)
+    for _ in range(timer.total_steps):
+        with timer.bracket("weights"):  # two readings: 1 s
+            pass
+        with timer.bracket("gradient hooks"):
+            timer.mark("forward")  # one reading inside: 2 s
+        with timer.bracket("gradient hooks"):
+            pass
+        timer.after_step()
+    assert timer.results()["compute"]["brackets_ms"] == {"weights": 1000.0, "gradient hooks": 3000.0}
 
 
 def test_a_run_that_marks_nothing_reports_no_segments(ticking_clock):
