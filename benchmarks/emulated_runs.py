@@ -176,7 +176,8 @@ def end_bucket_share(engine: ShardedEngine) -> float:
 
 def watch_the_engine(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], None]:
     """Bracket every call the model's hooks and the step make into the engine (`timer.bracket`):
-    "weights" (`wait_weights`: the compute stream's waits for the weights and their update),
+    "weights" (`wait_weights`: the compute stream's waits for the weights, their update, and the
+    encode of the exchanges it launches ahead),
     "gradient hooks" (`on_grad_ready`: each gradient's copy into its bucket, a full bucket's encode
     and launch) and "gradient finish" (`finish_grad_sync`: the wait for the last exchanges and
     the decode into the shards). And mark the turn from forward to backward in each step, where

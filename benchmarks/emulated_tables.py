@@ -247,12 +247,13 @@ def engine_work_table(model: str, scenario: Phase, plain: list[dict], runs: dict
     if len(lines) == 2:
         return ""
     note = (
-        "Within the engine's calls: CUDA events on the compute stream at the start and the end of every call the "
-        "model's hooks and the step make into the engine, summed per timed step: weights (the waits for each "
-        "bucket's weights and their update), gradient hooks (each gradient's copy into its bucket; a full bucket's "
-        "encode and launch), gradient finish (the wait for the last exchanges, the decode into the shards). What "
-        "a segment's excess over the plain step does not find there is the model's own kernels running slower "
-        "beside the exchanges' kernels on other streams, or the compute stream idle between them."
+        "Within the engine's calls: CUDA events on the compute stream at the start and the end of every call "
+        "the model's hooks and the step make into the engine, summed per timed step: weights (the waits for "
+        "each bucket's weights, their update, and the encode of those launched ahead), gradient hooks (each "
+        "gradient's copy into its bucket; a full bucket's encode and launch), gradient finish (the wait for "
+        "the last exchanges, the decode into the shards). What a segment's excess over the plain step does not "
+        "find there is the model's own kernels running slower beside the exchanges' kernels on other streams, "
+        "or the compute stream idle between them."
     )
     return "\n".join([f"#### {model}, {scenario.name}: the engine on the compute stream", "", *lines, "", note, ""])
 
