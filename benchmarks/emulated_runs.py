@@ -177,14 +177,15 @@ def end_bucket_share(engine: ShardedEngine) -> float:
 def watch_the_engine(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], None]:
     """Bracket every call the model's hooks and the step make into the engine (`timer.bracket`):
     "weights" (`wait_weights`: the compute stream's waits for the weights, their update, and the
-    encode of the exchanges it launches ahead),
-    "gradient hooks" (`on_grad_ready`: each gradient's copy into its bucket, a full bucket's encode
-    and launch) and "gradient finish" (`finish_grad_sync`: the wait for the last exchanges and
-    the decode into the shards). And mark the turn from forward to backward in each step, where
-    the network link has nothing to send: `timer.point("last_weights")` when the forward first
-    waits for bucket 0's weights (the last layers': the last bucket it needs),
-    `timer.point("first_gradients")` when the backward has handed over every gradient of bucket 0
-    (the first it finishes). Wraps the engine's entries; returns what to call before each step."""
+    encode of the exchanges it launches ahead), "gradient hooks" (`on_grad_ready`: each
+    gradient's copy into its bucket, a full bucket's encode and launch) and "gradient finish"
+    (`finish_grad_sync`: the wait for the last exchanges and the decode into the shards).
+
+    And mark the turn from forward to backward in each step, where the network link has nothing
+    to send: `timer.point("last_weights")` when the forward first waits for bucket 0's weights
+    (the last layers': the last bucket it needs), `timer.point("first_gradients")` when the
+    backward has handed over every gradient of bucket 0 (the first it finishes). Wraps the
+    engine's entries; returns what to call before each step."""
     wait_weights, on_grad_ready, finish_grad_sync = engine.wait_weights, engine.on_grad_ready, engine.finish_grad_sync
     first = len(engine.buckets[0].params)
     state = {"waited": False, "arrived": 0}

@@ -269,13 +269,13 @@ def _collector(results: list[dict]) -> tuple[float, float, float]:
 
 
 def _allocator(results: list[dict]) -> str:
-    """The allocator's calls per timed step over the repeats (phase_timer.ALLOCATOR_CALLS); "-"
-    where a run has none (the CPU, --json files from before)."""
+    """The allocator's calls per timed step over the repeats (phase_timer.ALLOCATOR_CALLS; "-" for
+    a counter this torch does not keep); "-" where a run has none (the CPU, --json files from
+    before)."""
     if not all(r.get("allocator") for r in results):
         return "-"
-    return " / ".join(
-        f"{statistics.fmean(r['allocator'][name] for r in results):.1f}" for name in ALLOCATOR_CALLS.values()
-    )
+    means = (statistics.fmean(r["allocator"].get(name, math.nan) for r in results) for name in ALLOCATOR_CALLS.values())
+    return " / ".join(_fmt(mean) for mean in means)
 
 
 def _host_cells(results: list[dict]) -> tuple[str, str, str, str]:

@@ -111,6 +111,7 @@ class PhaseTimer:
         self._segments: list[tuple[str, object, object]] = []  # (segment, start clock, end clock)
         self._host_marks: list[int] = []  # time.monotonic_ns() at each segment's end
         self._gc_passes: list[tuple[int, int]] = []  # (generation, ns) of each pass while timed
+        self._brackets: list[tuple[str, object, object]] = []  # (name, start clock, end clock)
         self._last_clock = None  # the open phase's last segment boundary
         self._recording_since = None  # the clock the network link's recorded waits are read against
         self._fire()
@@ -174,7 +175,7 @@ class PhaseTimer:
             self._allocator_before = torch.cuda.memory_stats()
         self._open[phase.name] = self._last_clock = self._clock()
         self._segments, self._points, self._host_marks, self._gc_passes = [], [], [], []
-        self._brackets: list[tuple[str, object, object]] = []
+        self._brackets = []
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
