@@ -1,4 +1,4 @@
-"""Train a small GPT with SDP4Bit: sharded data parallelism that communicates in about 4 bits.
+r"""Train a small GPT with SDP4Bit: sharded data parallelism that communicates in about 4 bits.
 
     python examples/train_gpt.py                         # embedded corpus; all GPUs, or 2 CPU processes
     python examples/train_gpt.py data.path=my.txt trainer.max_steps=200 trainer.devices=2 \

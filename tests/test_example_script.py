@@ -1,6 +1,8 @@
 """examples/train_gpt.py run as a user runs it, in a subprocess.
 
 Checks:
+- `--help` prints the usage as written, a continued command line with its backslash, then every
+  setting, and starts nothing;
 - a bad setting (a missing data file, a value out of range, a node size that does not divide
   the processes) ends the script with one line naming the key and exit status 1, and nothing is
   started: no log directory appears;
@@ -27,6 +29,13 @@ SCRIPT = ROOT / "examples" / "train_gpt.py"
 
 def run_script(*overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *overrides], capture_output=True, text=True, timeout=300)
+
+
+def test_help_prints_the_usage_as_written_and_every_setting():
+    result = run_script("--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trainer.devices=2 \\\n        trainer.accelerator=cpu" in result.stdout  # copyable as printed
+    assert "Settings (" in result.stdout and "n_layer: 4" in result.stdout
 
 
 @pytest.mark.parametrize(
