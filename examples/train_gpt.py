@@ -80,7 +80,7 @@ def main(argv: list[str]) -> None:
     s = load_config(overrides, config_path)
     accelerator, devices, precision = hardware(s)
     simulated = simulated_world(s)
-    if simulated is not None:
+    if simulated is not None and s.trainer.devices == "auto":
         devices = 1  # one device runs every simulated rank
     check_world(s, devices)
     tokens = load_tokens(s.data.path)

@@ -37,7 +37,7 @@ from lightning_sdp4bit.strategies.hooks import overrides_hook
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_sdp4bit.config import SDP4BitConfig
-from lightning_sdp4bit.simulation import SimulatedEngine, parse_world
+from lightning_sdp4bit.simulation import SimulatedEngine, check_shape, parse_world
 
 __all__ = ["SDP4BitSimulationStrategy"]
 
@@ -98,7 +98,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
     Args:
         world: "MxL" or (M, L), at least 2 ranks.
         config: as for `SDP4BitStrategy`: an `SDP4BitConfig`, a dict (optionally with "preset") or
-            a YAML path. `ranks_per_node` is ignored: `world` gives the shape.
+            a YAML path. `world` gives the shape: a `ranks_per_node` other than L is refused.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's strategies.
     """
 
@@ -107,6 +107,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
     def __init__(self, world: str | tuple[int, int] = "2x2", config: Any = None, **kwargs: Any) -> None:
         self.nodes, self.local = parse_world(world)
         self.config = SDP4BitConfig.coerce(config)
+        check_shape(self.config, self.nodes, self.local)
         super().__init__(**kwargs)
         self._num_nodes, self._process_group_backend = 1, None
         self.engine: SimulatedEngine | None = None

@@ -98,6 +98,14 @@ def test_node_size_must_divide_the_processes():
         check_world(load_config(["sdp4bit.ranks_per_node=3"]), world_size=4)
 
 
+def test_a_simulated_job_runs_on_one_device_in_the_shape_it_names():
+    check_world(load_config(["sdp4bit.simulate=2x4", "sdp4bit.ranks_per_node=4"]), world_size=1)
+    with pytest.raises(ConfigError, match=r"^trainer\.devices: is 2, but a simulated job .* on one device"):
+        check_world(load_config(["sdp4bit.simulate=2x4"]), world_size=2)
+    with pytest.raises(ConfigError, match=r"^sdp4bit\.ranks_per_node: ranks_per_node=2 contradicts simulate=2x4"):
+        check_world(load_config(["sdp4bit.simulate=2x4", "sdp4bit.ranks_per_node=2"]), world_size=1)
+
+
 def test_invalid_yaml_names_the_file_and_the_line(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("model:\n  n_layer: [1, 2\n")

@@ -48,6 +48,11 @@ def test_help_prints_the_usage_as_written_and_every_setting():
             "error: sdp4bit.simulate: simulate='16by4': expected 'MxL' (M nodes of L ranks each), e.g. '16x4'",
         ),
         (
+            "sdp4bit.simulate=2x2",  # with trainer.devices=2
+            "error: trainer.devices: is 2, but a simulated job (sdp4bit.simulate) runs every rank on one device: "
+            "set it to 1 or auto",
+        ),
+        (
             "sdp4bit.ranks_per_node=3",
             "error: sdp4bit.ranks_per_node: ranks_per_node=3 must divide the world size 2: "
             "every node needs the same number of ranks for the two-level all-to-all",

@@ -151,3 +151,5 @@ def test_bad_world_names_the_parameter():
         SDP4BitSimulationStrategy("16by4")
     with pytest.raises(ValueError, match="2 ranks in all"):
         SDP4BitSimulationStrategy("1x1")
+    with pytest.raises(ValueError, match=r"ranks_per_node=4 contradicts simulate=2x2, whose nodes have 2 ranks"):
+        SDP4BitSimulationStrategy("2x2", config={"ranks_per_node": 4})  # not silently ignored

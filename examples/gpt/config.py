@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from lightning_sdp4bit import SDP4BitConfig
 from lightning_sdp4bit.config import load_yaml
-from lightning_sdp4bit.simulation import parse_world
+from lightning_sdp4bit.simulation import check_shape, parse_world
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt.yaml"
 
@@ -199,9 +199,21 @@ def simulated_world(s: Settings) -> tuple[int, int] | None:
 
 
 def check_world(s: Settings, world_size: int) -> None:
-    """Checks against the number of processes: nodes must divide it."""
-    if simulated_world(s) is not None:
-        return  # the simulation takes its shape from sdp4bit.simulate
+    """Checks against the number of processes: nodes must divide it; a simulated job runs on one,
+    in the shape of sdp4bit.simulate."""
+    simulated = simulated_world(s)
+    if simulated is not None:  # the simulation takes its shape from sdp4bit.simulate, on one device
+        if world_size != 1:
+            raise ConfigError(
+                "trainer.devices",
+                f"is {world_size}, but a simulated job (sdp4bit.simulate) runs every rank on one device: "
+                "set it to 1 or auto",
+            )
+        try:
+            check_shape(sdp4bit_config(s), *simulated)
+        except ValueError as err:
+            raise ConfigError("sdp4bit.ranks_per_node", str(err)) from None
+        return
     try:
         sdp4bit_config(s).resolve_ranks_per_node(world_size, local_world_size=world_size)
     except ValueError as err:

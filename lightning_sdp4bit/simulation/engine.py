@@ -45,7 +45,7 @@ from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 from lightning_sdp4bit.weight_collectives import weight_collective_for
 
-__all__ = ["SimulatedEngine", "SimulatedRank", "parse_world"]
+__all__ = ["SimulatedEngine", "SimulatedRank", "check_shape", "parse_world"]
 
 
 def parse_world(spec: str | tuple[int, int]) -> tuple[int, int]:
@@ -59,6 +59,16 @@ def parse_world(spec: str | tuple[int, int]) -> tuple[int, int]:
     if nodes < 1 or local < 1 or nodes * local < 2:
         raise ValueError(f"simulate={nodes}x{local}: needs at least 1 node, 1 rank per node and 2 ranks in all")
     return nodes, local
+
+
+def check_shape(config: SDP4BitConfig, nodes: int, ranks_per_node: int) -> None:
+    """A simulated job takes its shape from its world ("MxL"): a `config.ranks_per_node` set to
+    another L contradicts it (ignoring it would run another job than the config describes)."""
+    if config.ranks_per_node is not None and config.ranks_per_node != ranks_per_node:
+        raise ValueError(
+            f"ranks_per_node={config.ranks_per_node} contradicts simulate={nodes}x{ranks_per_node}, whose nodes "
+            f"have {ranks_per_node} ranks: leave ranks_per_node unset (None) or set it to {ranks_per_node}"
+        )
 
 
 @dataclass
@@ -105,6 +115,7 @@ class SimulatedEngine:
     `optimizers`, `meter`) is what the engine's users read; `ranks` holds them all."""
 
     def __init__(self, module: nn.Module, config: SDP4BitConfig, nodes: int, ranks_per_node: int):
+        check_shape(config, nodes, ranks_per_node)
         self.module, self.config = module, config
         self.world_size = nodes * ranks_per_node
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
