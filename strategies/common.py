@@ -46,6 +46,7 @@ __all__ = [
     "build_engine",
     "check_precision",
     "check_start_method",
+    "check_timeout",
     "check_sync_batchnorm_device",
     "check_topology",
     "connect",
@@ -116,6 +117,15 @@ def check_precision(precision: str | None) -> None:
 def check_start_method(start_method: str) -> None:
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}")
+
+
+def check_timeout(timeout: Any) -> None:
+    """`timeout=` bounds every collective the strategy waits on; torch.distributed takes a
+    timedelta. Refused here, when the strategy is built, rather than in every worker's setup."""
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+        raise ValueError(
+            f"timeout must be a datetime.timedelta above zero, or None for the backend's default, got {timeout!r}"
+        )
 
 
 def check_topology(config: SDP4BitConfig, num_nodes: int, num_processes: int, devices: list | None) -> None:

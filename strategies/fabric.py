@@ -75,6 +75,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
     ) -> None:
         self.config = SDP4BitConfig.coerce(config)
         common.check_start_method(start_method)
+        common.check_timeout(timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -5,6 +5,8 @@ launcher works (and saving after a spawned fit says what it can write); ranks th
 different models fail at setup with a clear error instead of hanging; bad arguments and
 precisions fail when the Trainer is built, before any process starts."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 from distributed import run_workers
@@ -131,12 +133,18 @@ def test_bad_arguments_fail_before_any_process_starts():
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_sdp4bit import SDP4BitStrategy
+    from lightning_sdp4bit import SDP4BitFabricStrategy, SDP4BitStrategy
 
     with pytest.raises(ValueError, match="weight_bits must be one of 2, 4, 8"):
         SDP4BitStrategy(config={"weight_bits": 3})
     with pytest.raises(ValueError, match="start_method must be one of"):
         SDP4BitStrategy(start_method="thread")
+    for timeout in (30, timedelta(seconds=-5), timedelta(0)):
+        with pytest.raises(ValueError, match=r"timeout must be a datetime.timedelta above zero, .*got"):
+            SDP4BitStrategy(timeout=timeout)
+        with pytest.raises(ValueError, match=r"timeout must be a datetime.timedelta above zero"):
+            SDP4BitFabricStrategy(timeout=timeout)
+    SDP4BitStrategy(timeout=None)  # the backend's default
     with pytest.raises(ValueError, match="ranks_per_node=3 must divide the world size 4"):
         pl.Trainer(accelerator="cpu", devices=4, strategy=SDP4BitStrategy(config={"ranks_per_node": 3}))
     strategy = SDP4BitStrategy()
