@@ -290,7 +290,7 @@ class SDP4BitConfig:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config path {str(path)!r} is not a file")
-        merged = OmegaConf.merge(load_yaml(path), OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(load_yaml(path), _from_dotlist(overrides))
         return cls.from_dict(_to_plain_dict(merged))
 
     def with_overrides(self, overrides: Iterable[str]) -> SDP4BitConfig:
@@ -298,9 +298,7 @@ class SDP4BitConfig:
 
         ``preset=name`` restarts from that preset before the other overrides.
         """
-        from omegaconf import OmegaConf
-
-        parsed = _to_plain_dict(OmegaConf.from_dotlist(list(overrides)))
+        parsed = _to_plain_dict(_from_dotlist(overrides))
         if "preset" in parsed:
             return SDP4BitConfig.from_dict(parsed)
         return SDP4BitConfig.from_dict({**self.to_dict(), **parsed})
@@ -359,6 +357,19 @@ def load_yaml(path: str | os.PathLike) -> Any:
         raise ValueError(f"{where}: invalid YAML: {problem}{context}") from None
     except yaml.YAMLError as error:
         raise ValueError(f"{path}: invalid YAML: {error}") from None
+
+
+def _from_dotlist(overrides: Iterable[str]) -> Any:
+    """omegaconf's DictConfig of ``key=value`` items. omegaconf reads a bare ``key`` as key=None,
+    which for ranks_per_node or bucket_numel would silently mean "automatic": refused instead."""
+    from omegaconf import OmegaConf
+
+    overrides = list(overrides)
+    for item in overrides:
+        key, sign, _ = str(item).partition("=")
+        if not sign or not key.strip():
+            raise ValueError(f"override {item!r}: expected key=value, e.g. 'grad_inter_bits=8'")
+    return OmegaConf.from_dotlist(overrides)
 
 
 def _to_plain_dict(values: Any) -> dict[str, Any]:

@@ -118,6 +118,9 @@ def test_dotlist_overrides():
     assert (config.grad_inter_bits, config.rounding, config.ranks_per_node) == (8, Rounding.NEAREST, 2)
     assert SDP4BitConfig().with_overrides(["preset=qwd", "weight_bits=2"]) == SDP4BitConfig.preset("qwd", weight_bits=2)
     assert SDP4BitConfig(ranks_per_node=2).with_overrides(["ranks_per_node=null"]).ranks_per_node is None
+    for bare in ("ranks_per_node", "=4"):  # omegaconf would read the first as ranks_per_node=None: automatic
+        with pytest.raises(ValueError, match=f"override '{bare}': expected key=value"):
+            SDP4BitConfig(ranks_per_node=2).with_overrides([bare])
 
 
 def test_yaml_round_trip_and_overrides(tmp_path):
@@ -129,6 +132,8 @@ def test_yaml_round_trip_and_overrides(tmp_path):
     assert SDP4BitConfig.from_yaml(path, ["grad_intra_bits=4"]) == SDP4BitConfig.preset(
         "tlq_hs", rounding="nearest", ranks_per_node=2, seed=7, grad_intra_bits=4
     )
+    with pytest.raises(ValueError, match="override 'ranks_per_node': expected key=value"):
+        SDP4BitConfig.from_yaml(path, ["ranks_per_node"])
 
 
 def test_yaml_with_a_preset_key(tmp_path):
