@@ -3,7 +3,8 @@ syncs; gradient accumulation sends nothing on non-final micro-batches; clipping 
 DDP's bit for bit; bf16-mixed trains; devices=1 equals DDP on one device; the spawn
 launcher works (and saving after a spawned fit says what it can write); ranks that build
 different models fail at setup with a clear error instead of hanging; bad arguments and
-precisions fail when the Trainer is built, before any process starts."""
+precisions fail when the Trainer is built, and a ckpt_path with nothing to load when fit or
+validate is called, before any process starts."""
 
 from datetime import timedelta
 
@@ -152,3 +153,38 @@ def test_bad_arguments_fail_before_any_process_starts():
         strategy.precision_plugin = MixedPrecision("16-mixed", "cuda")
     with pytest.raises(ValueError, match="precision='64-true' is not supported"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=SDP4BitStrategy(), precision="64-true")
+
+
+@pytest.mark.parametrize("entry", ["fit", "validate"])
+def test_a_ckpt_path_with_nothing_to_load_fails_before_any_process_starts(tmp_path, entry):
+    import lightning.pytorch as pl
+
+    from lightning_sdp4bit import SDP4BitStrategy
+
+    missing = tmp_path / "no_such.ckpt"
+    settings = {**TRAINER_DEFAULTS, "limit_val_batches": 1}
+    trainer = pl.Trainer(devices=2, strategy=SDP4BitStrategy(start_method="spawn"), **settings)
+    # In the launching process: a worker's failure would come back as another exception type.
+    with pytest.raises(FileNotFoundError, match=f"ckpt_path='{missing}' does not exist.*no process was started"):
+        getattr(trainer, entry)(TinyLMModule(), ckpt_path=missing)
+
+
+def test_ckpt_path_names_urls_and_none_are_left_to_lightning(tmp_path, monkeypatch):
+    from lightning_sdp4bit.strategies import launchers
+    from lightning_sdp4bit.strategies.launchers import check_ckpt_path
+
+    def _fit_impl(model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
+        """Lightning's signature: ckpt_path by name or by position."""
+
+    for name in ("last", "best", "hpc", "registry:me/model", "s3://bucket/x.ckpt", None):
+        check_ckpt_path(_fit_impl, None, ckpt_path=name)
+    existing = tmp_path / "x.ckpt"
+    existing.write_bytes(b"")
+    check_ckpt_path(_fit_impl, None, None, None, None, existing)
+    with pytest.raises(FileNotFoundError, match="x2.ckpt' does not exist"):
+        check_ckpt_path(_fit_impl, None, None, None, None, tmp_path / "x2.ckpt")
+    check_ckpt_path(lambda *a: None, 1, 2)  # no ckpt_path parameter: nothing to check
+    # An interrupted first save complete at x3.ckpt.partial is loadable (checkpoint.find_checkpoint).
+    partial = tmp_path / "x3.ckpt.partial"
+    monkeypatch.setattr(launchers, "complete_partial", lambda path: partial if str(path).endswith("x3.ckpt") else None)
+    check_ckpt_path(_fit_impl, None, ckpt_path=tmp_path / "x3.ckpt")

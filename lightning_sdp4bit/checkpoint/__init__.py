@@ -28,6 +28,7 @@ from lightning_sdp4bit.checkpoint.consolidate import consolidate_checkpoint
 from lightning_sdp4bit.checkpoint.files import FORMAT, CheckpointError, is_sharded_checkpoint
 from lightning_sdp4bit.checkpoint.load import (
     check_state_dict,
+    complete_partial,
     find_checkpoint,
     full_state_from_lightning,
     load_full_state,
@@ -41,6 +42,7 @@ __all__ = [
     "FORMAT",
     "CheckpointError",
     "check_state_dict",
+    "complete_partial",
     "consolidate_checkpoint",
     "find_checkpoint",
     "full_state_from_lightning",

@@ -43,6 +43,7 @@ from lightning_sdp4bit.engine import ShardedEngine
 
 __all__ = [
     "check_state_dict",
+    "complete_partial",
     "find_checkpoint",
     "full_state_from_lightning",
     "load_full_state",
@@ -52,12 +53,20 @@ __all__ = [
 ]
 
 
+def complete_partial(path: str | os.PathLike) -> Path | None:
+    """Where nothing is at `path`, the complete `path.partial` an interrupted save left there (a
+    crash after its commit, before its last rename); otherwise None."""
+    path = Path(path)
+    partial = sibling(path, ".partial")
+    return partial if not path.exists() and is_sharded_checkpoint(partial) else None
+
+
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """`path`; or, where an interrupted save left nothing there, the complete `path.partial` it
     had written (with a warning that names it)."""
     path = Path(path)
-    partial = sibling(path, ".partial")
-    if not path.exists() and is_sharded_checkpoint(partial):
+    partial = complete_partial(path)
+    if partial is not None:
         warnings.warn(
             f"{path} does not exist: loading {partial}, the complete checkpoint of a save that was interrupted "
             "just before its last rename (the next save to this path moves it into place)",
