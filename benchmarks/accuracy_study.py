@@ -68,6 +68,7 @@ SMOKE = [
     # The same 2 x 2 job, simulated in one process (lightning_sdp4bit.simulation: bit for bit the
     # 4 processes' training; 7 s a preset instead of 16 on 2 cores).
     "sdp4bit.simulate=2x2",
+    "trainer.devices=1",  # the one device that runs all 4 simulated ranks
     "model.n_layer=1",
     "model.n_embd=64",
     "model.n_head=2",
