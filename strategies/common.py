@@ -45,6 +45,7 @@ __all__ = [
     "broadcast_object",
     "build_engine",
     "check_precision",
+    "check_backend",
     "check_start_method",
     "check_timeout",
     "check_sync_batchnorm_device",
@@ -117,6 +118,27 @@ def check_precision(precision: str | None) -> None:
 def check_start_method(start_method: str) -> None:
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}")
+
+
+def check_backend(backend: str | None, devices: list | None) -> None:
+    """`process_group_backend=`: a backend this torch has (or "device:backend" pairs, as
+    init_process_group takes), and NCCL only with CUDA devices. Refused while the Trainer or
+    Fabric is built, not in every worker's process-group setup. None: Lightning's choice."""
+    if backend is None:
+        return
+    names = [part.rpartition(":")[2].strip() for part in str(backend).split(",")]
+    for name in names:
+        if not name or not torch.distributed.is_backend_available(name):
+            known = [b for b in torch.distributed.Backend.backend_list if b not in ("undefined", "fake")]
+            available = [b for b in known if torch.distributed.is_backend_available(b)]
+            raise ValueError(
+                f"process_group_backend={backend!r}: {name!r} is not a backend this torch can use "
+                f"(available here: {', '.join(available)})"
+            )
+    if "nccl" in names and devices and devices[0].type != "cuda" and ":" not in str(backend):
+        raise ValueError(
+            f"process_group_backend={backend!r} needs CUDA devices; these are {devices[0].type} (use 'gloo')"
+        )
 
 
 def check_timeout(timeout: Any) -> None:

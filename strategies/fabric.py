@@ -111,6 +111,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
+        common.check_backend(self._process_group_backend, self.parallel_devices)
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             _stop_started_ranks_on_uncaught_exception(self._launcher)

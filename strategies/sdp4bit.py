@@ -127,6 +127,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         common.check_topology(self.config, self.num_nodes, self.num_processes, self.parallel_devices)
+        common.check_backend(self._process_group_backend, self.parallel_devices)
         # Lightning's launchers, finishing interrupted first saves before "last" is looked for.
         if self._start_method == "popen":
             self._launcher = launchers.SubprocessScriptLauncher(

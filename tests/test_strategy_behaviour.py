@@ -153,6 +153,16 @@ def test_bad_arguments_fail_before_any_process_starts():
         strategy.precision_plugin = MixedPrecision("16-mixed", "cuda")
     with pytest.raises(ValueError, match="precision='64-true' is not supported"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=SDP4BitStrategy(), precision="64-true")
+    from lightning.fabric import Fabric
+
+    from lightning_sdp4bit import SDP4BitFabricStrategy
+
+    for strategy_class, build in ((SDP4BitStrategy, pl.Trainer), (SDP4BitFabricStrategy, Fabric)):
+        with pytest.raises(ValueError, match=r"process_group_backend='mpi2': 'mpi2' is not a backend .*gloo"):
+            build(accelerator="cpu", devices=2, strategy=strategy_class(process_group_backend="mpi2"))
+        with pytest.raises(ValueError, match=r"process_group_backend='nccl'"):  # unavailable, or not CUDA devices
+            build(accelerator="cpu", devices=2, strategy=strategy_class(process_group_backend="nccl"))
+        build(accelerator="cpu", devices=2, strategy=strategy_class(process_group_backend="cpu:gloo"))
 
 
 @pytest.mark.parametrize("entry", ["fit", "validate"])
