@@ -137,6 +137,13 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
             _refuse(f"runs on one device; the Trainer gave it {len(self.parallel_devices or [])} (set devices=1)")
         self.accelerator.setup_device(self.root_device)
 
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Lightning restores a ckpt_path before the strategy's setup: refused here, before any step.
+        _refuse(
+            f"resuming from ckpt_path={str(checkpoint_path)!r} is not supported: a simulated job reads and writes "
+            "no checkpoints (every rank's optimizer state lives in this process); fit without ckpt_path"
+        )
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)

@@ -144,6 +144,22 @@ def test_unsupported_settings_are_refused_at_setup(overrides, message):
         trainer.fit(TinyLMModule())
 
 
+def test_a_ckpt_path_is_refused_before_any_step(tmp_path):
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_sdp4bit import SDP4BitSimulationStrategy
+
+    path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, path)  # a file Lightning would otherwise try to restore
+    trainer = pl.Trainer(devices=1, strategy=SDP4BitSimulationStrategy("2x2"), **{**TRAINER_DEFAULTS, **FIT})
+    module = TinyLMModule()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ValueError, match=r"resuming from ckpt_path='.*plain.ckpt' is not supported"):
+        trainer.fit(module, ckpt_path=path)
+    assert trainer.global_step == 0 and all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
 def test_bad_world_names_the_parameter():
     from lightning_sdp4bit import SDP4BitSimulationStrategy
 
