@@ -101,8 +101,8 @@ def run_names(presets: list[str], seeds: int) -> list[str]:
 
 def parse_run(name: str) -> tuple[str, int, int]:
     """'tlq_hs-r1' -> (preset, rounding seed, data seed)."""
-    preset, tag = name.rsplit("-", 1)
-    if preset not in PRESETS or tag[0] not in "rd" or not tag[1:].isdigit():
+    preset, _, tag = name.rpartition("-")
+    if preset not in PRESETS or tag[:1] not in ("r", "d") or not tag[1:].isdigit():
         raise ValueError(f"run {name!r}: expected <preset>-r<rounding seed> or baseline-d<data seed>")
     return preset, int(tag[1:]) if tag[0] == "r" else 0, int(tag[1:]) if tag[0] == "d" else 0
 
@@ -296,6 +296,18 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.streams < 1:
         parser.error(f"--streams must be at least 1, got {args.streams}")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
+    if args.budget < 0:
+        parser.error(f"--budget must be at least 0 seconds, got {args.budget:g}")
+    study_runs = run_names(PRESETS, args.seeds)
+    names = study_runs if args.runs == "all" else args.runs.split(",")
+    unknown = [name for name in names if name not in study_runs]
+    if unknown:  # every name checked before anything trains
+        parser.error(
+            f"--runs: {', '.join(map(repr, unknown))} not in the study; with --seeds {args.seeds} its runs are "
+            + ", ".join(study_runs)
+        )
     study = SMOKE if args.smoke else Study()
     if args.report:
         from accuracy_gpu_report import write_report
@@ -308,9 +320,6 @@ def main(argv: list[str]) -> None:
 
         measure_throughput(study, device, args.results)
         return
-    names = run_names(PRESETS, args.seeds) if args.runs == "all" else args.runs.split(",")
-    for name in names:
-        parse_run(name)  # every name checked before anything trains
     pending = [n for n in names if not (args.results / f"{n}.json").exists()]
     print(f"finished: {len(names) - len(pending)} of {len(names)}; pending: {pending}", flush=True)
     if not pending:

@@ -3,7 +3,9 @@
   held-out validation loss falls;
 - a run stopped by its time budget saves its state and, resumed, ends with the straight run's
   final validation loss bit for bit (the study spans many device calls);
-- the report has a row per preset (finished or pending) and the corpus's hashes, and the plot exists.
+- the report has a row per preset (finished or pending) and the corpus's hashes, and the plot exists;
+- a run name outside the study, a negative budget or no seeds stop the script before anything is
+  read or trained, naming the flag.
 """
 
 import json
@@ -11,6 +13,8 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "accuracy_gpu.py"
@@ -47,3 +51,23 @@ def test_smoke_study_trains_resumes_exactly_and_reports(tmp_path):
     assert "| sdp4bit | 1 |" in report and "| qw | pending |" in report
     assert first["corpus"]["file_list_sha256"] in report
     assert (docs / "accuracy_gpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--runs", "qw-r1,qw-r5"], "--runs: 'qw-r5' not in the study; with --seeds 2 its runs are baseline-d0, "),
+        (["--runs", "nonsense"], "--runs: 'nonsense' not in the study"),
+        (["--runs", "baseline-r0"], "--runs: 'baseline-r0' not in the study"),  # the baseline varies its data order
+        (["--budget", "-1"], "--budget must be at least 0 seconds, got -1"),
+        (["--seeds", "0"], "--seeds must be at least 1, got 0"),
+    ],
+)
+def test_bad_arguments_name_the_flag_before_anything_is_read(args, message, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import accuracy_gpu
+
+    with pytest.raises(SystemExit) as stopped:
+        accuracy_gpu.main([*args, "--results", str(tmp_path / "results"), "--state", str(tmp_path / "state")])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written
