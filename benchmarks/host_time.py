@@ -91,7 +91,7 @@ def _plain_calls(model, optimizer, tokens):
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="356m", choices=[m for m in MODELS if m != "tiny"])
     parser.add_argument("--world", type=int, default=8, help="ranks of the emulated job (default 8)")
@@ -99,9 +99,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--bucket-numel", type=float, default=None, help="elements a bucket (default: the config's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.nodes < 1 or args.world < 1 or args.world % args.nodes:
         parser.error(f"--nodes={args.nodes} must be >= 1 and divide --world={args.world}")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
     if args.bucket_numel is not None and args.bucket_numel < 1:
         parser.error(f"--bucket-numel must be at least 1 element, got {args.bucket_numel}")
     if not torch.cuda.is_available():
