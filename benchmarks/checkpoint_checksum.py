@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from cli_args import at_least
 
 from lightning_sdp4bit.checkpoint.files import _PIECE, _ChecksummedFile
 
@@ -50,12 +51,12 @@ def _pieces(obj: object, path: Path, checksum: bool, sync: bool) -> None:
             os.fsync(file.fileno())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=1.0, help="shard size in GiB")
-    parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--gib", type=at_least(0.001, float), default=1.0, help="shard size in GiB")
+    parser.add_argument("--trials", type=at_least(1), default=7)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (a real disk, not tmpfs)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     numel = int(args.gib * (1 << 30)) // 4
     shard = {"rank": 0, "buckets": [{"master": torch.randn(numel // 2), "weights": torch.randn(numel // 2)}]}
     path = Path(args.dir) / "sdp4bit-checksum-benchmark.pt"

@@ -16,6 +16,7 @@ import argparse
 import time
 
 import torch
+from cli_args import at_least
 from torch import nn
 
 from lightning_sdp4bit.weight_access import ReadGuard
@@ -29,12 +30,12 @@ def per_op_us(ops: int) -> float:
     return (time.perf_counter() - start) / ops * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", type=int, default=20000)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--params", type=int, default=200)
-    args = parser.parse_args()
+    parser.add_argument("--ops", type=at_least(1), default=20000)
+    parser.add_argument("--repeats", type=at_least(1), default=15)
+    parser.add_argument("--params", type=at_least(1), default=200)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     params = [nn.Parameter(torch.zeros(1)) for _ in range(args.params)]
     best = {"plain": float("inf"), "pending": float("inf"), "landed": float("inf")}

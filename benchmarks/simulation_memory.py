@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_args import simulated_world
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -41,7 +43,9 @@ def _row(preset: str, layers: int, world: str) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", default="2x2", help="the simulated job, NODESxRANKS (default 2x2)")
+    parser.add_argument(
+        "--world", type=simulated_world, default="2x2", help="the simulated job, NODESxRANKS (default 2x2)"
+    )
     parser.add_argument("--layers", default="4,8,12", help="comma list of layer counts (default 4,8,12)")
     parser.add_argument("--presets", default="sdp4bit,baseline", help="comma list (default sdp4bit,baseline)")
     parser.add_argument("--child", nargs=3, metavar=("PRESET", "LAYERS", "WORLD"), help=argparse.SUPPRESS)

@@ -17,17 +17,20 @@ import time
 
 import torch
 import torch.nn.functional as F
+from cli_args import at_least, simulated_world
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from accuracy_gpu import RankPasses, Study, build  # noqa: E402
+from accuracy_gpu import PRESETS, RankPasses, Study, build  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--world", default="16x4")
-    parser.add_argument("--preset", default="sdp4bit")
-    parser.add_argument("--streams", type=int, default=2, help="ranks whose graphs replay at once")
-    args = parser.parse_args()
+    parser.add_argument("--world", type=simulated_world, default="16x4")
+    parser.add_argument("--preset", default="sdp4bit", choices=PRESETS)
+    parser.add_argument("--streams", type=at_least(1), default=2, help="ranks whose graphs replay at once")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this profile needs a GPU: it replays CUDA graphs")
     study = Study(world=args.world)
     device = torch.device("cuda")
     model, engine, optimizer, _ = build(study, args.preset, 0, device)

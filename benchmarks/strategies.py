@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from cli_args import at_least
 
 from lightning_sdp4bit import PRESETS  # noqa: E402
 
@@ -42,23 +43,23 @@ STRATEGIES = ["ddp", "fsdp", "sdp4bit-baseline", "sdp4bit"]
 """sdp4bit-<preset> also runs any other preset of SDP4BitConfig (e.g. sdp4bit-qwd, sdp4bit-tlq_hs)."""
 
 
-def _parse() -> argparse.Namespace:
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--ranks-per-node", type=int, default=1, help="sdp4bit's virtual node size")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--devices", type=at_least(1), default=2)
+    parser.add_argument("--ranks-per-node", type=at_least(1), default=1, help="sdp4bit's virtual node size")
+    parser.add_argument("--steps", type=at_least(1), default=12)
+    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--n-layer", type=at_least(1), default=4)
+    parser.add_argument("--n-embd", type=at_least(1), default=256)
+    parser.add_argument("--block-size", type=at_least(1), default=256)
+    parser.add_argument("--batch-size", type=at_least(1), default=8)
     parser.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-true on GPU")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset to run")
     parser.add_argument("--out", default=None, help="also write the Markdown table here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.precision = args.precision or ("32-true" if args.accelerator == "cpu" else "bf16-true")
     return args
 
@@ -158,8 +159,8 @@ def _run(name: str, args: argparse.Namespace) -> dict | None:
         return json.loads(result.read_text())
 
 
-def main() -> None:
-    args = _parse()
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
     if args.worker:
         _worker(args)
         return

@@ -6,11 +6,11 @@
 
 One GPU plays rank 0 of a data-parallel job of --world ranks: the engine (lightning_sdp4bit.
 engine, the strategy's own) shards the optimizer for that world and runs every compression
-kernel on this rank's real sizes, while `lightning_sdp4bit.comm` is replaced by a loopback that
-only copies (each peer "sends" what this rank sent). Forward, backward, the optimizer on 1/world
-of the parameters and all five compression kernels therefore cost what they cost on one GPU of
-the real job; only the network time is missing, so the kernels' share printed here is an upper
-bound of their share in a real step.
+kernel on this rank's real sizes, over the emulated network of benchmarks/emulation.py with no
+wait (its loopbacks only copy, as if each peer of each group had sent what this rank sent).
+Forward, backward, the optimizer on 1/world of the parameters and all five compression kernels
+therefore cost what they cost on one GPU of the real job; only the network time is missing, so
+the kernels' share printed here is an upper bound of their share in a real step.
 
 Per preset (baseline = no compression, sdp4bit = qWD + TLq-HS) it prints the median step time
 (CUDA events) and, from the profiler, the GPU time of the compression kernels per step. With
@@ -29,46 +29,17 @@ import time
 
 import torch
 import torch._dynamo.utils
+from cli_args import at_least
+from emulation import Network
 from gpt_step import build_gpt, engine_step, make_optimizer, random_tokens
 from lightning_sdp4bit.strategies import common
 
-import lightning_sdp4bit.comm as comm
 from lightning_sdp4bit import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
-from lightning_sdp4bit.topology import ProcessGroups, Topology
+from lightning_sdp4bit.topology import Topology
 
 COMPRESSION_KERNELS = ("weight_update", "grad_encode", "grad_requantize", "grad_decode_sum")
 """Substrings of the Triton kernels' names (kernels/*.py)."""
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
-
-    def is_completed(self) -> bool:
-        return True
-
-
-def _install_loopback(world: int) -> None:
-    """Collectives that move this rank's bytes locally, as if every peer had sent the same."""
-
-    def all_gather(output, input, group=None, async_op=False):
-        output.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
-        return _Done()
-
-    def reduce_scatter(output, input, group=None, async_op=False):
-        output.copy_(input.view(world, -1)[0])
-        return _Done()
-
-    def all_to_all(output, input, group=None, async_op=False):
-        output.copy_(input)
-        return _Done()
-
-    def no_op(tensor, *args, **kwargs):
-        return _Done()
-
-    comm.all_gather, comm.reduce_scatter, comm.all_to_all = all_gather, reduce_scatter, all_to_all
-    comm.all_reduce = comm.broadcast = no_op
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a dry run of the script
@@ -97,12 +68,11 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
 
 
-def _measure(args: argparse.Namespace, preset: str) -> dict[str, float]:
+def _measure(args: argparse.Namespace, preset: str, network: Network) -> dict[str, float]:
     device = torch.device(DEVICE)
     model = build_gpt(args.n_layer, args.n_head, args.n_embd, args.seq, device)
-    topology = Topology(rank=0, world_size=args.world, ranks_per_node=args.ranks_per_node)
     sdp_config = SDP4BitConfig.preset(preset, ranks_per_node=args.ranks_per_node)
-    engine = ShardedEngine(model, sdp_config, topology, ProcessGroups(None, None, None))
+    engine = ShardedEngine(model, sdp_config, network.topology, network.groups())
     optimizer = make_optimizer(model.parameters(), device)
     engine.shard_optimizer(optimizer)
     watch = common.CompiledRegionWatch(model)
@@ -145,25 +115,28 @@ def _measure(args: argparse.Namespace, preset: str) -> dict[str, float]:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=8)
-    parser.add_argument("--ranks-per-node", type=int, default=4)
-    parser.add_argument("--n-layer", type=int, default=24)
-    parser.add_argument("--n-head", type=int, default=16)
-    parser.add_argument("--n-embd", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--profiled-steps", type=int, default=3)
+    parser.add_argument("--world", type=at_least(1), default=8)
+    parser.add_argument("--ranks-per-node", type=at_least(1), default=4)
+    parser.add_argument("--n-layer", type=at_least(1), default=24)
+    parser.add_argument("--n-head", type=at_least(1), default=16)
+    parser.add_argument("--n-embd", type=at_least(1), default=1024)
+    parser.add_argument("--seq", type=at_least(1), default=2048)
+    parser.add_argument("--batch", type=at_least(1), default=8)
+    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--profiled-steps", type=at_least(1), default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (warmup >= 2 pays the compile)")
     parser.add_argument("--out", default=None, help="append the Markdown table to this file")
-    args = parser.parse_args()
-    _install_loopback(args.world)
+    args = parser.parse_args(argv)
+    if args.world % args.ranks_per_node:
+        parser.error(f"--ranks-per-node={args.ranks_per_node} must divide --world={args.world}")
+    network = Network(torch.device(DEVICE), Topology(0, args.world, args.ranks_per_node))
     rows = []
     for preset in ("baseline", "sdp4bit"):
-        r = _measure(args, preset)
+        with network.install():
+            r = _measure(args, preset, network)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         share = 100 * r["kernel_ms"] / r["step_ms"]
@@ -177,7 +150,7 @@ def main() -> None:
         "",
         f"`python benchmarks/training_step.py {' '.join(sys.argv[1:])}`: rank 0 of {args.world} ranks "
         f"({args.world // args.ranks_per_node} nodes x {args.ranks_per_node}), bf16 weights, seq {args.seq}, "
-        f"batch {args.batch}, loopback communication; torch {torch.__version__}.",
+        f"batch {args.batch}, loopback communication (no wait); torch {torch.__version__}.",
         "",
         "| preset | params | step (ms) | tokens/s | compression kernels (ms/step) | share of the step |"
         + (" graph breaks | graphs |" if args.compile else ""),
