@@ -23,3 +23,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device"))
+
+
+@pytest.fixture
+def benchmark_script(monkeypatch):
+    """Import a benchmarks/ script by name, undoing what importing it did to sys.path and
+    sys.modules afterwards: some scripts put benchmarks/ first on sys.path, where its cluster.py
+    would shadow tests/cluster.py for the workers that later tests start."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setattr(sys, "path", [str(Path(__file__).resolve().parents[1] / "benchmarks"), *sys.path])
+    before = set(sys.modules)
+    yield importlib.import_module
+    for name in set(sys.modules) - before:
+        del sys.modules[name]

@@ -63,10 +63,8 @@ def test_smoke_study_trains_resumes_exactly_and_reports(tmp_path):
         (["--seeds", "0"], "--seeds must be at least 1, got 0"),
     ],
 )
-def test_bad_arguments_name_the_flag_before_anything_is_read(args, message, tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import accuracy_gpu
-
+def test_bad_arguments_name_the_flag_before_anything_is_read(args, message, tmp_path, capsys, benchmark_script):
+    accuracy_gpu = benchmark_script("accuracy_gpu")
     with pytest.raises(SystemExit) as stopped:
         accuracy_gpu.main([*args, "--results", str(tmp_path / "results"), "--state", str(tmp_path / "state")])
     assert stopped.value.code == 2 and message in capsys.readouterr().err

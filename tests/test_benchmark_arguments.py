@@ -1,13 +1,7 @@
 """The benchmark scripts' arguments: a bad value stops a script with argparse's message, which
 names the flag, before anything is built, spawned or written (`benchmarks/cli_args.py`)."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 @pytest.mark.parametrize(
@@ -27,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         ("simulation_profile", ["--preset", "zero"], "argument --preset: invalid choice: 'zero'"),
     ],
 )
-def test_a_bad_argument_names_its_flag(script, args, message, capsys, tmp_path, monkeypatch):
+def test_a_bad_argument_names_its_flag(script, args, message, capsys, tmp_path, monkeypatch, benchmark_script):
     monkeypatch.chdir(tmp_path)
-    module = importlib.import_module(script)
+    module = benchmark_script(script)
     with pytest.raises(SystemExit) as stopped:
         module.main(args)
     assert stopped.value.code == 2 and message in capsys.readouterr().err
