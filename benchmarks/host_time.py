@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from cli_args import at_least
 from emulated_runs import MODELS
 from emulation import Network
 from gpt_step import MAX_NORM, lm_loss, make_optimizer
@@ -96,16 +97,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="356m", choices=[m for m in MODELS if m != "tiny"])
     parser.add_argument("--world", type=int, default=8, help="ranks of the emulated job (default 8)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--bucket-numel", type=float, default=None, help="elements a bucket (default: the config's)")
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--warmup", type=at_least(0), default=4)
+    parser.add_argument(
+        "--bucket-numel", type=at_least(1, float), default=None, help="elements a bucket (default: the config's)"
+    )
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.world < 1 or args.world % args.nodes:
         parser.error(f"--nodes={args.nodes} must be >= 1 and divide --world={args.world}")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
-    if args.bucket_numel is not None and args.bucket_numel < 1:
-        parser.error(f"--bucket-numel must be at least 1 element, got {args.bucket_numel}")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a GPU: it times the host against the GPU")
     device, spec = torch.device("cuda"), MODELS[args.model]

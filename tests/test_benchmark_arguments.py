@@ -8,8 +8,9 @@ import pytest
     "script, args, message",
     [
         ("host_time", ["--world", "6", "--nodes", "4"], "--nodes=4 must be >= 1 and divide --world=6"),
-        ("host_time", ["--steps", "0"], "--steps must be at least 1 and --warmup at least 0, got 0 and 4"),
-        ("host_time", ["--bucket-numel", "-5"], "--bucket-numel must be at least 1 element, got -5.0"),
+        ("host_time", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        ("host_time", ["--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
+        ("host_time", ["--bucket-numel", "-5"], "argument --bucket-numel: must be at least 1, got -5"),
         ("read_guard", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
         ("checkpoint_checksum", ["--gib", "-1"], "argument --gib: must be at least 0.001, got -1"),
         ("training_step", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
