@@ -27,15 +27,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def benchmark_script(monkeypatch):
-    """Import a benchmarks/ script by name, undoing what importing it did to sys.path and
-    sys.modules afterwards: some scripts put benchmarks/ first on sys.path, where its cluster.py
-    would shadow tests/cluster.py for the workers that later tests start."""
+    """Import a benchmarks/ script by name; afterwards, undo what the import did to sys.path and
+    drop the benchmarks/ modules it loaded. Some scripts put benchmarks/ first on sys.path, where
+    its cluster.py would shadow tests/cluster.py for the workers that later tests start."""
     import importlib
     import sys
     from pathlib import Path
 
-    monkeypatch.setattr(sys, "path", [str(Path(__file__).resolve().parents[1] / "benchmarks"), *sys.path])
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.setattr(sys, "path", [str(benchmarks), *sys.path])
     before = set(sys.modules)
     yield importlib.import_module
+    # The scripts' own new modules only: a package such as triton cannot be imported twice.
     for name in set(sys.modules) - before:
-        del sys.modules[name]
+        if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == benchmarks:
+            del sys.modules[name]
