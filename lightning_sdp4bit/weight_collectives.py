@@ -87,7 +87,8 @@ class _TwoLevelGather(TwoStage):
         """Wait for stage 2 (on the current stream), then copy the blocks into rank order."""
         self._work.wait()
         topo = self._owner.topology
-        self._rows.view(topo.nodes, topo.ranks_per_node, -1).copy_(self._node.transpose(0, 1))
+        rows, node = _as_words(self._rows), _as_words(self._node)
+        rows.view(topo.nodes, topo.ranks_per_node, -1).copy_(node.transpose(0, 1))
 
     def _complete(self) -> None:
         if self._landed is not None:
@@ -99,6 +100,21 @@ class _TwoLevelGather(TwoStage):
         self._sent = self._across = self._node = None
         if self._finish is not None:
             self._finish()
+
+
+def _as_words(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` [..., R] (contiguous) viewed as the widest integers its rows' bytes divide into.
+
+    Why: the transposed copy into rank order is a strided copy, which torch runs one element per
+    thread whatever the dtype; over 8-byte words it has 8x fewer elements than over a payload's
+    bytes. At 1.3B, W = 64, its uint8 copies took 1.49 ms a step on the exchange stream (40 us a
+    bucket, about 0.45 TB/s each way), in the chain the forward waits on for each bucket.
+    """
+    row_bytes, offset_bytes = rows.shape[-1] * rows.element_size(), rows.storage_offset() * rows.element_size()
+    for words in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % words.itemsize == 0 and offset_bytes % words.itemsize == 0:
+            return rows.view(words)
+    return rows.view(torch.uint8)
 
 
 class PlainWeightAllGather:
