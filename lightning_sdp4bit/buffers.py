@@ -29,7 +29,32 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Bucket", "BucketLayout", "Fragment", "ParamSlot", "allocate_buckets", "layout_signature", "plan_buckets"]
+__all__ = [
+    "Bucket",
+    "BucketLayout",
+    "Fragment",
+    "ParamSlot",
+    "allocate_buckets",
+    "as_words",
+    "layout_signature",
+    "plan_buckets",
+]
+
+
+def as_words(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Each of `tensors` [..., R] (rows of the same bytes, last dimension contiguous) viewed as
+    the widest integers (8, 4 or 2 bytes, else 1) that the rows' bytes and every tensor's offset
+    divide into: the same for all, so that a copy between the views moves the same bits. A
+    strided copy runs one element per thread whatever the dtype, so fewer, wider elements make it
+    faster."""
+    for words in (torch.int64, torch.int32, torch.int16):
+        if all(
+            (t.shape[-1] * t.element_size()) % words.itemsize == 0
+            and (t.storage_offset() * t.element_size()) % words.itemsize == 0
+            for t in tensors
+        ):
+            return tuple(t.view(words) for t in tensors)
+    return tuple(t.view(torch.uint8) for t in tensors)
 
 
 @dataclass(frozen=True)

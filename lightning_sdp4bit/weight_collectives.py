@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_sdp4bit import comm, ops
-from lightning_sdp4bit.buffers import Bucket
+from lightning_sdp4bit.buffers import Bucket, as_words
 from lightning_sdp4bit.collectives import Pending, Seeds, SingleStage, Stage, TwoStage, WeightAllGather, compresses
 from lightning_sdp4bit.config import SDP4BitConfig, WeightQuant
 from lightning_sdp4bit.stats import WireMeter
@@ -87,7 +87,10 @@ class _TwoLevelGather(TwoStage):
         """Wait for stage 2 (on the current stream), then copy the blocks into rank order."""
         self._work.wait()
         topo = self._owner.topology
-        rows, node = _as_words(self._rows), _as_words(self._node)
+        # As words: a strided copy runs one element per thread whatever the dtype (at 1.3B, W = 64,
+        # its uint8 copies took 1.49 ms a step here, 40 us a bucket, in the chain each forward
+        # wait depends on); over 8-byte words it has 8x fewer elements.
+        rows, node = as_words(self._rows, self._node)
         rows.view(topo.nodes, topo.ranks_per_node, -1).copy_(node.transpose(0, 1))
 
     def _complete(self) -> None:
@@ -100,21 +103,6 @@ class _TwoLevelGather(TwoStage):
         self._sent = self._across = self._node = None
         if self._finish is not None:
             self._finish()
-
-
-def _as_words(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` [..., R] (contiguous) viewed as the widest integers its rows' bytes divide into.
-
-    Why: the transposed copy into rank order is a strided copy, which torch runs one element per
-    thread whatever the dtype; over 8-byte words it has 8x fewer elements than over a payload's
-    bytes. At 1.3B, W = 64, its uint8 copies took 1.49 ms a step on the exchange stream (40 us a
-    bucket, about 0.45 TB/s each way), in the chain the forward waits on for each bucket.
-    """
-    row_bytes, offset_bytes = rows.shape[-1] * rows.element_size(), rows.storage_offset() * rows.element_size()
-    for words in (torch.int64, torch.int32, torch.int16):
-        if row_bytes % words.itemsize == 0 and offset_bytes % words.itemsize == 0:
-            return rows.view(words)
-    return rows.view(torch.uint8)
 
 
 class PlainWeightAllGather:
