@@ -156,11 +156,11 @@ def run_engine(
         engine.shard_optimizer(optimizer)
         tokens = spec.tokens(device)
         timer = PhaseTimer(network, phases, args, profile)
-        new_step = watch_the_engine(engine, timer)
-        for _ in range(timer.total_steps):
-            new_step()
-            engine_step(model, engine, optimizer, tokens, timer.mark)
-            timer.after_step()
+        with watch_the_engine(engine, timer) as new_step:
+            for _ in range(timer.total_steps):
+                new_step()
+                engine_step(model, engine, optimizer, tokens, timer.mark)
+                timer.after_step()
         results = timer.results()
         for result in results.values():
             result["end_bucket_share"] = end_bucket_share(engine)
@@ -174,31 +174,45 @@ def end_bucket_share(engine: ShardedEngine) -> float:
     return engine.buckets[-1].layout.numel / sum(bucket.layout.numel for bucket in engine.buckets)
 
 
-def watch_the_engine(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], None]:
-    """Bracket every call the model's hooks and the step make into the engine (`timer.bracket`):
-    "weights" (`wait_weights`: the compute stream's waits for the weights, their update, and the
-    encode of the exchanges it launches ahead), "gradient hooks" (`on_grad_ready`: each
-    gradient's copy into its bucket, a full bucket's encode and launch) and "gradient finish"
-    (`finish_grad_sync`: the wait for the last exchanges and the decode into the shards).
+@contextlib.contextmanager
+def watch_the_engine(engine: ShardedEngine, timer: PhaseTimer) -> Iterator[Callable[[], None]]:
+    """Within: bracket every call the model's hooks and the step make into the engine
+    (`timer.bracket`): "weights" (`wait_weights`: the compute stream's waits for the weights, their
+    update, and the encode of the exchanges it launches ahead), "gradient hooks" (`on_grad_ready`:
+    each gradient's copy into its bucket, a full bucket's encode and launch) and "gradient finish"
+    (`finish_grad_sync`: the wait for the last exchanges and the decode into the shards). Inside
+    those calls also bracket, as "stream waits", every wait of the compute stream for another
+    stream's event (`torch.cuda.Stream.wait_event`, which the engine's exchanges and the emulation's
+    collectives use): a bracket's end runs only once the wait is over, so these say how much of the
+    calls' time the compute stream sat idle behind the exchanges rather than running kernels.
 
     And mark the turn from forward to backward in each step, where the network link has nothing
     to send: `timer.point("last_weights")` when the forward first waits for bucket 0's weights
     (the last layers': the last bucket it needs), `timer.point("first_gradients")` when the
-    backward has handed over every gradient of bucket 0 (the first it finishes). Wraps the
-    engine's entries; returns what to call before each step."""
+    backward has handed over every gradient of bucket 0 (the first it finishes). Yields what to
+    call before each step; on leaving, the engine's entries and torch's wait_event are restored."""
     wait_weights, on_grad_ready, finish_grad_sync = engine.wait_weights, engine.on_grad_ready, engine.finish_grad_sync
     first = len(engine.buckets[0].params)
-    state = {"waited": False, "arrived": 0}
+    state = {"waited": False, "arrived": 0, "depth": 0}  # depth: engine calls in progress
+
+    @contextlib.contextmanager
+    def engine_call(name: str) -> Iterator[None]:
+        state["depth"] += 1
+        try:
+            with timer.bracket(name):
+                yield
+        finally:
+            state["depth"] -= 1
 
     def waiting(indices=None) -> None:
-        with timer.bracket("weights"):
+        with engine_call("weights"):
             wait_weights(indices)
         if indices is not None and 0 in indices and not state["waited"]:
             state["waited"] = True
             timer.point("last_weights")
 
     def arrived(index: int, position: int) -> None:
-        with timer.bracket("gradient hooks"):
+        with engine_call("gradient hooks"):
             on_grad_ready(index, position)
         if index == 0:
             state["arrived"] += 1
@@ -206,11 +220,26 @@ def watch_the_engine(engine: ShardedEngine, timer: PhaseTimer) -> Callable[[], N
                 timer.point("first_gradients")
 
     def finishing() -> None:
-        with timer.bracket("gradient finish"):
+        with engine_call("gradient finish"):
             finish_grad_sync()
 
+    original_wait_event = torch.cuda.Stream.wait_event
+    compute = torch.cuda.current_stream(engine.buckets[0].weights.device) if engine.buckets[0].weights.is_cuda else None
+
+    def wait_event(stream: torch.cuda.Stream, event) -> None:
+        if not (state["depth"] and stream == compute):
+            return original_wait_event(stream, event)
+        with timer.bracket("stream waits"):
+            return original_wait_event(stream, event)
+
     engine.wait_weights, engine.on_grad_ready, engine.finish_grad_sync = waiting, arrived, finishing
-    return lambda: state.update(waited=False, arrived=0)
+    torch.cuda.Stream.wait_event = wait_event
+    try:
+        yield lambda: state.update(waited=False, arrived=0)
+    finally:
+        torch.cuda.Stream.wait_event = original_wait_event
+        for name in ("wait_weights", "on_grad_ready", "finish_grad_sync"):
+            del vars(engine)[name]  # the class's methods again
 
 
 class EmulatedStrategy(SDP4BitStrategy):
@@ -284,9 +313,14 @@ class _StepMarks(L.Callback):
 
     def __init__(self, timer: PhaseTimer):
         self.timer, self._new_step = timer, lambda: None
+        self._watch = contextlib.ExitStack()
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._new_step = watch_the_engine(trainer.strategy.engine, self.timer)  # the engine exists from setup
+        # The engine exists from setup; teardown, which runs whatever happened, stops the watch.
+        self._new_step = self._watch.enter_context(watch_the_engine(trainer.strategy.engine, self.timer))
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._watch.close()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._new_step()

@@ -221,7 +221,8 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
     return "\n".join([f"#### {model}, {scenario.name}: where the step goes", "", *lines, "", note, ""])
 
 
-ENGINE_CALLS = ("weights", "gradient hooks", "gradient finish")  # emulated_runs.watch_the_engine's brackets
+# emulated_runs.watch_the_engine's brackets: the engine's calls, then the compute stream's waits within them
+ENGINE_CALLS = ("weights", "gradient hooks", "gradient finish", "stream waits")
 
 
 def engine_work_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
@@ -230,7 +231,8 @@ def engine_work_table(model: str, scenario: Phase, plain: list[dict], runs: dict
     (ENGINE_CALLS), in the scenario's phase and the compute-only one (medians)."""
     lines = [
         "| row | compute-only over the plain step: forward / backward / optimizer (ms) | within the engine's "
-        "calls: weights / gradient hooks / gradient finish, network (ms) | the same: compute-only (ms) |",
+        "calls: weights / gradient hooks / gradient finish / of these, waiting for other streams, network (ms) "
+        "| the same: compute-only (ms) |",
         "|---|---|---|---|",
     ]
     floor = _medians(plain, "segments_ms", SEGMENTS)
@@ -251,9 +253,11 @@ def engine_work_table(model: str, scenario: Phase, plain: list[dict], runs: dict
         "the model's hooks and the step make into the engine, summed per timed step: weights (the waits for "
         "each bucket's weights, their update, and the encode of those launched ahead), gradient hooks (each "
         "gradient's copy into its bucket; a full bucket's encode and launch), gradient finish (the wait for "
-        "the last exchanges, the decode into the shards). What a segment's excess over the plain step does not "
-        "find there is the model's own kernels running slower beside the exchanges' kernels on other streams, "
-        "or the compute stream idle between them."
+        "the last exchanges, the decode into the shards); of these, waiting for other streams: the compute "
+        "stream idle in its waits for the exchanges' events (a bracket around each wait within those calls, "
+        "which ends only once the wait is over), the rest being the kernels the calls queued. What a segment's "
+        "excess over the plain step does not find there is the model's own kernels running slower beside the "
+        "exchanges' kernels on other streams, or the compute stream idle between them."
     )
     return "\n".join([f"#### {model}, {scenario.name}: the engine on the compute stream", "", *lines, "", note, ""])
 

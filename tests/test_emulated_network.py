@@ -184,10 +184,14 @@ def test_dry_run_prints_every_table(tmp_path):
             tail, head = map(float, segments[row][8].split(" / "))
             forward, backward, _ = map(float, segments[row][3].split(" / "))
             assert 0 < tail <= forward + 0.1 and 0 < head <= backward + 0.1
-        # The engine on the compute stream: every engine row brackets its three kinds of calls.
+        # The engine on the compute stream: every engine row brackets its three kinds of calls; on
+        # the CPU no stream waits.
         work = _table_rows(text, f"tiny, {scenario.split(':')[0]}: the engine on the compute stream")
         assert list(work) == ["baseline", "sdp4bit", "Trainer + sdp4bit"]
-        assert all(float(v) > 0 for cells in work.values() for cell in cells[1:] for v in cell.split(" / "))
+        for cells in work.values():
+            for cell in cells[1:]:
+                *calls, waits = map(float, cell.split(" / "))
+                assert len(calls) == 3 and all(v > 0 for v in calls) and waits == 0.0
         # The host: each row's slowest step against its median; on the CPU no lead (one clock).
         host = _table_rows(text, f"tiny, {scenario.split(':')[0]}: the host")
         assert list(host) == ["plain (no strategy)", "baseline", "sdp4bit", "Trainer + sdp4bit"]
@@ -387,19 +391,20 @@ def test_the_engine_work_table_sets_each_segments_excess_beside_the_engines_call
         segments = {"forward": forward, "backward": 100.0, "optimizer": 10.0}
         return {
             "segments_ms": segments,
-            "brackets_ms": dict(zip(("weights", "gradient hooks", "gradient finish"), calls)),
+            "brackets_ms": dict(zip(("weights", "gradient hooks", "gradient finish", "stream waits"), calls)),
         }
 
     plain = [phase(40.0, ())]  # the plain step calls no engine
     runs = {
         "sdp4bit": [
-            {"compute": phase(44.0, (1.0, 2.0, 0.5)), "eth100": phase(60.0, (9.0, 2.5, 0.5))},
-            {"compute": phase(46.0, (1.5, 2.0, 0.5)), "eth100": phase(61.0, (9.5, 2.5, 0.5))},
-            {"compute": phase(45.0, (1.2, 2.0, 0.5)), "eth100": phase(62.0, (9.2, 2.5, 0.5))},
+            {"compute": phase(44.0, (1.0, 2.0, 0.5, 0.2)), "eth100": phase(60.0, (9.0, 2.5, 0.5, 7.0))},
+            {"compute": phase(46.0, (1.5, 2.0, 0.5, 0.6)), "eth100": phase(61.0, (9.5, 2.5, 0.5, 7.5))},
+            {"compute": phase(45.0, (1.2, 2.0, 0.5)), "eth100": phase(62.0, (9.2, 2.5, 0.5, 7.2))},
         ],
         "old": [{"compute": {"step_ms": 1.0}, "eth100": {"step_ms": 1.0}}],  # a --json file from before
     }
     rows = _table_rows(
         engine_work_table("1.3b", Phase("eth100"), plain, runs), "1.3b, eth100: the engine on the compute stream"
     )
-    assert rows == {"sdp4bit": ["+5.0 / +0.0 / +0.0", "9.20 / 2.50 / 0.50", "1.20 / 2.00 / 0.50"]}  # medians
+    # Medians; a run without stream waits (one from before they were bracketed) counts them as 0.
+    assert rows == {"sdp4bit": ["+5.0 / +0.0 / +0.0", "9.20 / 2.50 / 0.50 / 7.20", "1.20 / 2.00 / 0.50 / 0.20"]}
