@@ -297,19 +297,47 @@ def host_in_gaps(calls: list[dict], gaps: list[tuple[float, float]], steps: int,
     return lines
 
 
+def launch_ends(events: list[dict]) -> dict[int, float]:
+    """Correlation id -> when the host's call that queued that GPU work returned (us)."""
+    return {
+        e["args"]["correlation"]: e["ts"] + e["dur"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+
+
+def waiting_for_launches(own: list[dict], gaps: list[tuple[float, float]], launched: dict[int, float]) -> float:
+    """Of the compute stream's idle `gaps` (us), the part before the host had queued the work that
+    ends each gap (its launch call had not returned yet): the GPU waiting for the host. The rest of
+    a gap, the work was queued and its stream waited for an event of another (or the device)."""
+    starting_at = {e["ts"]: e for e in own}
+    total = 0.0
+    for start, end in gaps:
+        queued = launched.get(starting_at[end]["args"].get("correlation"), start)
+        total += min(max(queued - start, 0.0), end - start)
+    return total
+
+
 def idle_table(
-    label: str, events: list[dict], matrix: str, min_ms: float, calls: list[dict] = (), steps: int = 1
+    label: str,
+    events: list[dict],
+    matrix: str,
+    min_ms: float,
+    calls: list[dict] = (),
+    steps: int = 1,
+    launched: dict[int, float] | None = None,
 ) -> list[str]:
     """Where the compute stream waits: its idle gaps of at least `min_ms`, each with what every
     other stream ran meanwhile. A gap the other streams fill is a wait for their work (an
     exchange's kernels); a gap they leave empty too is the host's (launches, a sync). With the
+    host's launch calls (`launched`, launch_ends), how much of the gaps waited for them. With the
     host's Python `calls` (python_calls), where the host was in those gaps (host_in_gaps)."""
     compute = compute_stream(events, re.compile(matrix))
     if compute is None:
         return [f"{label}: no `{matrix}` kernels (a CPU run?), no compute stream to follow", ""]
-    own = [(e["ts"], e["ts"] + e["dur"]) for e in events if stream_of(e) == compute]
+    own = [e for e in events if stream_of(e) == compute]
     others = [e for e in events if stream_of(e) != compute]
-    gaps = idle_gaps(own, min_ms)
+    gaps = idle_gaps([(e["ts"], e["ts"] + e["dur"]) for e in own], min_ms)
     total = sum(end - start for start, end in gaps) / 1e3
     lines = [
         f"{label}: the compute stream (stream {compute}) idle for {min_ms:g} ms or more ({len(gaps)} gaps, "
@@ -319,6 +347,15 @@ def idle_table(
         "|---|---|---|---|",
     ]
     lines += activity_rows(gaps, others, min(e["ts"] for e in events)) + [""]
+    if launched:
+        host = waiting_for_launches(own, gaps, launched) / 1e3
+        lines += [
+            f"Of those {total / steps:.2f} ms a step, {host / steps:.2f} ms waited for the host to queue the work "
+            f"that ended the gap and {(total - host) / steps:.2f} ms had it queued, waiting for another stream's "
+            "event. Where the same step unprofiled keeps the host ahead (emulated_network.py's host table), gaps "
+            "that wait for the host are the profiler's own cost.",
+            "",
+        ]
     return lines + (host_in_gaps(calls, gaps, steps) if calls else [])
 
 
@@ -356,7 +393,8 @@ def main() -> None:
             lines += gaps_table(label, events, args.matrix, args.beside, args.gaps)
     if args.idle is not None:
         for label, events, all_events in zip(labels, traces, everything):
-            lines += idle_table(label, events, args.matrix, args.idle, python_calls(all_events), args.steps)
+            calls, launched = python_calls(all_events), launch_ends(all_events)
+            lines += idle_table(label, events, args.matrix, args.idle, calls, args.steps, launched)
     print("\n".join(lines))
 
 

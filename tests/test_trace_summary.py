@@ -135,6 +135,29 @@ def test_the_compute_streams_idle_gaps_say_whether_another_stream_filled_them(tm
     assert table[4:] == ["| 1.0 | 1.00 | 0.60 | _encode_kernel 0.60 |", "| 4.0 | 2.00 | 0.00 | nothing |", ""]
 
 
+def test_the_compute_streams_idle_gaps_are_split_into_waits_for_the_host_and_for_other_streams(tmp_path):
+    def queued(name, ts, dur, correlation, launch_end):
+        op = kernel(name, ts, dur, 7)
+        op["args"]["correlation"] = correlation
+        launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_end - 5, "dur": 5}
+        launch["args"] = {"correlation": correlation}
+        return [op, launch]
+
+    events = [
+        *queued("nvjet_a", 0, 1000, 1, -10),
+        *queued("nvjet_a", 2000, 1000, 2, 1600),  # a 1 ms gap: 0.6 ms before its launch returned
+        *queued("nvjet_a", 5000, 1000, 3, 500),  # a 2 ms gap, the work queued before it began
+        kernel("_encode_kernel", 3200, 1800, 9),
+    ]
+    everything = trace_summary.trace_events(write(tmp_path / "t.json.gz", events))
+    gaps = trace_summary.gpu_events(everything)
+    table = trace_summary.idle_table("t", gaps, "nvjet", 0.5, steps=2, launched=trace_summary.launch_ends(everything))
+    assert table[-2].startswith(
+        "Of those 1.50 ms a step, 0.30 ms waited for the host to queue the work that ended the gap and 1.20 ms had "
+        "it queued, waiting for another stream's event"
+    )
+
+
 def call(name, ts, dur, python_id, parent, tid=1):
     args = {"Python id": python_id, "Python parent id": parent}
     return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
