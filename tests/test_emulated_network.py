@@ -87,6 +87,18 @@ def test_loopbacks_write_rank_zeros_share_and_charge_ring_bytes():
     assert (links["nvlink_gradients"], links["nvlink_weights"], links["nvlink_other"]) == (3 / 4 * 12, 0.0, 0.0)
 
 
+def test_the_all_gather_loopback_repeats_a_payload_whatever_words_its_rows_allow():
+    network = _network()
+    groups = network.groups()
+    whole = torch.arange(2, 26, dtype=torch.uint8)
+    # 24 bytes (three 8-byte words), 12 (three 4-byte words), 11 at an odd offset (bytes)
+    with network.install():
+        for row in (whole, whole[:12], whole[1:12]):
+            rows = torch.empty(4 * row.numel(), dtype=torch.uint8)
+            comm.all_gather(rows, row, group=groups.intra)
+            assert torch.equal(rows, row.repeat(4))
+
+
 @pytest.mark.parametrize("world, ranks_per_node", [(8, 4), (8, 8), (8, 1)])
 def test_fake_groups_take_the_shapes_of_the_real_ones(world, ranks_per_node):
     network = _network(world, ranks_per_node)
