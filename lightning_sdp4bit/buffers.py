@@ -47,14 +47,12 @@ def as_words(*tensors: Tensor) -> tuple[Tensor, ...]:
     divide into: the same for all, so that a copy between the views moves the same bits. A
     strided copy runs one element per thread whatever the dtype, so fewer, wider elements make it
     faster."""
-    for words in (torch.int64, torch.int32, torch.int16):
-        if all(
-            (t.shape[-1] * t.element_size()) % words.itemsize == 0
-            and (t.storage_offset() * t.element_size()) % words.itemsize == 0
-            for t in tensors
-        ):
-            return tuple(t.view(words) for t in tensors)
-    return tuple(t.view(torch.uint8) for t in tensors)
+    sizes = [t.element_size() * n for t in tensors for n in (t.shape[-1], t.storage_offset())]
+    common = math.gcd(*sizes)  # bytes every row and offset is a multiple of (gcd(0, n) = n)
+    for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if common % word.itemsize == 0:
+            break
+    return tuple([t.view(word) for t in tensors])
 
 
 @dataclass(frozen=True)
