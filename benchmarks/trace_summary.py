@@ -19,9 +19,10 @@ With --gaps MS: the network link's idle gaps of MS or more (between the waits of
 waits longest, the NIC's lane across nodes), each with what the compute stream ran meanwhile:
 where, in the step, the network waits for the GPU. With --idle MS: the compute stream's idle
 gaps, with what the other streams ran meanwhile: a gap they fill waits for an exchange's kernels,
-a gap they leave empty waits for the host. If the trace recorded the host's Python calls
-(`emulated_network.py --profile-python`), it also says where the host was in those gaps: per
-function, and per the innermost frame of this repository's code.
+a gap they leave empty waits for the host; and how much of the gaps waited for the host to queue
+the work that ends them (from each kernel's launch call in the trace). If the trace recorded the
+host's Python calls (`emulated_network.py --profile-python`), it also says where the host was in
+those gaps: per function, and per the innermost frame of this repository's code.
 """
 
 from __future__ import annotations
