@@ -222,13 +222,13 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
 
 
 # emulated_runs.watch_the_engine's brackets: the engine's calls, then the compute stream's waits within them
-ENGINE_CALLS = ("weights", "gradient hooks", "gradient finish", "stream waits")
+ENGINE_BRACKETS = ("weights", "gradient hooks", "gradient finish", "stream waits")
 
 
 def engine_work_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
     """Per row whose runs bracketed the engine's calls (phase_timer's brackets_ms): its compute-only
     segments over the plain step's, and the compute stream's ms within the engine's calls
-    (ENGINE_CALLS), in the scenario's phase and the compute-only one (medians)."""
+    (ENGINE_BRACKETS), in the scenario's phase and the compute-only one (medians)."""
     lines = [
         "| row | compute-only over the plain step: forward / backward / optimizer (ms) | within the engine's "
         "calls: weights / gradient hooks / gradient finish / of these, waiting for other streams, network (ms) "
@@ -241,7 +241,7 @@ def engine_work_table(model: str, scenario: Phase, plain: list[dict], runs: dict
             continue
         excess = _medians(compute, "segments_ms", SEGMENTS)
         calls = [
-            " / ".join(_fmt(v, 2) for v in _medians(rs, "brackets_ms", ENGINE_CALLS).values())
+            " / ".join(_fmt(v, 2) for v in _medians(rs, "brackets_ms", ENGINE_BRACKETS).values())
             for rs in (network, compute)
         ]
         over = " / ".join(f"{excess[s] - floor[s]:+.1f}" for s in SEGMENTS)
