@@ -71,6 +71,7 @@ from gpu_wait import spin as gpu_wait_spin
 import lightning_sdp4bit.comm as comm
 import lightning_sdp4bit.topology as topology_module
 from lightning_sdp4bit.buffers import as_words
+from lightning_sdp4bit.streams import current_stream, running_on
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = ["PURPOSES", "FakeGroup", "Lane", "Network", "latency_ns", "message_steps"]
@@ -84,12 +85,12 @@ PURPOSES = ("weights", "gradients", "other")
 class _Work:
     """The handle of an asynchronous collective: `wait()` orders the caller's stream after it."""
 
-    def __init__(self, done: torch.cuda.Event | None):
-        self._done = done
+    def __init__(self, done: torch.cuda.Event | None, device_index: int | None = None):
+        self._done, self._device_index = done, device_index
 
     def wait(self, timeout: Any = None) -> bool:
         if self._done is not None:
-            torch.cuda.current_stream().wait_event(self._done)
+            current_stream(self._device_index).wait_event(self._done)
         return True
 
     def is_completed(self) -> bool:
@@ -186,23 +187,23 @@ class Lane:
             loopback()
             _wait_on_host(ns)
             return _Work(None) if async_op else None
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(current_stream(self.stream.device_index))
+        with running_on(self.stream):
             loopback()
             recording = self.recorded is not None
             if recording:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                start.record(self.stream)
             if ns >= 1:
                 self._spin(int(ns))
             if recording:
-                end.record()
+                end.record(self.stream)
                 self.recorded.append((start, end))
             done = torch.cuda.Event()
-            done.record()
+            done.record(self.stream)
         for tensor in tensors:  # as NCCL stashes them: not reused before the lane is done
             tensor.record_stream(self.stream)
-        work = _Work(done)
+        work = _Work(done, self.stream.device_index)
         if async_op:
             return work
         work.wait()

@@ -29,6 +29,7 @@ from lightning_sdp4bit.buffers import Bucket
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.reference.ops import stage_seed
 from lightning_sdp4bit.stats import WireMeter
+from lightning_sdp4bit.streams import current_stream, running_on
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = [
@@ -114,7 +115,7 @@ class TwoStage:
         self._stream = stream if two_stages else None
         self._staged, self._completed = not two_stages, False
         if self._stream is not None:
-            with torch.cuda.stream(self._stream):
+            with running_on(self._stream):
                 self._advance()
 
     def _advance(self) -> None:
@@ -284,7 +285,7 @@ class _TwoLevelExchange(TwoStage):
         if self._stream is not None:
             # Made on the side stream; the caller's stream is now the one that waited for the
             # network, and it reads the received chunks below.
-            current = torch.cuda.current_stream()
+            current = current_stream(self._stream.device_index)
             self._received.record_stream(current)
             self._sent.record_stream(current)
         self._work = self._sent = None
