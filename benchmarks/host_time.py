@@ -5,6 +5,7 @@ On the H200 (repository root; about 40 s per model):
     python3 benchmarks/host_time.py --model 356m
     python3 benchmarks/host_time.py --model 1.3b --nodes 2
     python3 benchmarks/host_time.py --model 1.3b --world 64 --nodes 16   # rank 0 of 16 x 4
+    python3 benchmarks/host_time.py --model 1.3b --nodes 2 --cprofile 4  # and where the host goes
 
 One GPU plays rank 0 of --world ranks (8) over the emulated network of benchmarks/emulation.py
 (NVLink 150 GB/s; with --nodes above 1, world / nodes GPUs per node and a 50 GB/s NIC per GPU),
@@ -14,12 +15,17 @@ is timed on the host with perf_counter, with nothing synchronised, and the GPU's
 events recorded back to back. Host time equal to the GPU's means the host waits for the GPU
 somewhere (a full launch queue, a synchronisation); far below it, the host runs ahead and the
 GPU never waits for a launch. Then the plain step (no strategy), in the same process. Medians
-over --steps steps after --warmup.
+over --steps steps after --warmup. With --cprofile N, N more engine steps run under cProfile, and
+the functions that took the most host time in the forward and the backward are printed (cProfile
+slows Python-heavy code more than torch's calls: read the shares, not the milliseconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -53,6 +59,24 @@ def _timed(phases: tuple[str, ...], calls, steps: int, warmup: int) -> tuple[dic
     torch.cuda.synchronize()
     gpu = [events[i].elapsed_time(events[i + 1]) for i in range(warmup, len(events) - 1)]
     return {name: statistics.median(values) for name, values in host.items()}, statistics.median(gpu)
+
+
+def _profiled(phases: tuple[str, ...], calls, steps: int, shown: tuple[str, ...], top: int = 30) -> str:
+    """cProfile's cumulative-time listing of each phase in `shown`, over `steps` more steps."""
+    profiles = {name: cProfile.Profile() for name in phases}
+    for _ in range(steps):
+        for name, call in zip(phases, calls, strict=True):
+            profiles[name].enable()
+            call()
+            profiles[name].disable()
+    torch.cuda.synchronize()
+    listings = []
+    for name in shown:
+        out = io.StringIO()
+        pstats.Stats(profiles[name], stream=out).sort_stats("cumulative").print_stats(top)
+        heading = f"## {name}, {steps} steps under cProfile, by cumulative time"
+        listings.append(f"{heading}\n\n```\n{out.getvalue().strip()}\n```")
+    return "\n\n".join(listings)
 
 
 def _engine_calls(model, engine, optimizer, tokens):
@@ -99,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
     parser.add_argument("--steps", type=at_least(1), default=10)
     parser.add_argument("--warmup", type=at_least(0), default=4)
+    parser.add_argument("--cprofile", type=at_least(0), default=0, help="engine steps to profile after (default 0)")
     parser.add_argument(
         "--bucket-numel", type=at_least(1, float), default=None, help="elements a bucket (default: the config's)"
     )
@@ -122,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = spec.tokens(device)
         calls = _engine_calls(model, engine, optimizer, tokens)
         engine_host, engine_gpu = _timed(ENGINE_PHASES, calls, args.steps, args.warmup)
+        listing = _profiled(ENGINE_PHASES, calls, args.cprofile, ("forward", "backward")) if args.cprofile else ""
         bucket_count = len(engine.buckets)
         engine.close()
     del model, engine, optimizer
@@ -140,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {label} | {name} | {value:.2f} |")
         print(f"| {label} | **whole step, host** | **{sum(host.values()):.1f}** |")
         print(f"| {label} | **whole step, GPU** | **{gpu:.1f}** |")
+    if listing:
+        print("\n" + listing)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""A/B of engine versions on the emulated network: this checkout's benchmark, several package trees.
+
+Prepare one source tree per version here, carry them to the GPU machine, run there:
+
+    mkdir -p .ab/before .ab/after && git archive 8245186 | tar x -C .ab/before && git archive HEAD | tar x -C .ab/after
+    python3 benchmarks/engine_ab.py --out ab8 .ab/before .ab/after -- --world 8 --ranks-per-node 4 \\
+        --model 1.3b --presets sdp4bit --trainer-presets none --scenarios eth100 --steps 5 --warmup 2
+
+Each tree is installed on its own (`pip install --no-deps --target`), and each run is a fresh
+process of this checkout's `emulated_network.py` (the arguments after `--`, plus `--repeats 1
+--json`) with that install first on the path: only the engine differs, and the script checks
+that each run imported its own tree. Rounds run every tree once, forwards then backwards in
+turn, so that a drift of the machine falls on every tree alike. A run that would start after
+--budget-s seconds is skipped, so that one device call brings back what it has. Each run's
+tables and raw JSON go to --out; the summary printed at the end gives, per tree, the median and
+min-max over its runs of each engine row's step and compute-only step, and of the host's lead on
+the GPU at the end of the backward (a run near 0 there was bound by the host, not the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cli_args import at_least
+
+HERE = Path(__file__).resolve().parent
+
+
+def install(tree: Path, target: Path) -> None:
+    """The package of `tree` into `target` alone (no dependencies: the machine's own are used)."""
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*command, "--target", str(target), str(tree)], check=True, stdout=subprocess.DEVNULL)
+    found = subprocess.run(
+        [sys.executable, "-c", "import lightning_sdp4bit; print(lightning_sdp4bit.__file__)"],
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        cwd=HERE,  # as the benchmark runs: its own folder first on the path, not the checkout
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not found.startswith(str(target)):
+        raise SystemExit(f"engine_ab: the install of {tree} is shadowed: lightning_sdp4bit came from {found}")
+
+
+def summary(results: dict[str, list[dict]]) -> str:
+    """Markdown: per tree, engine row, topology and scenario, the median (min-max) over its runs."""
+    lines = [
+        "| tree | row | scenario | runs | step (ms) | compute-only (ms) | host ahead at the end of backward (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tree, documents in results.items():
+        cells: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for document in documents:
+            for run in document["runs"]:
+                scenarios = [key for key, value in run.items() if isinstance(value, dict) and key != "compute"]
+                for scenario in scenarios if run["row"] != "plain" else []:
+                    lead = (run[scenario].get("host_lead_ms") or {}).get("backward", math.nan)
+                    row = f"{run['row']}, {run['topology']}" if run["topology"] else run["row"]
+                    figures = (run[scenario]["step_ms"], run["compute"]["step_ms"], lead)
+                    cells.setdefault((row, scenario), []).append(figures)
+        for (row, scenario), figures in cells.items():
+            columns = [[f[i] for f in figures] for i in range(3)]
+            text = [_median_and_range([x for x in c if not math.isnan(x)]) for c in columns]
+            lines.append(f"| {tree} | {row} | {scenario} | {len(figures)} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def _median_and_range(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})" if values else "-"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, theirs = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trees", nargs="+", type=Path, help="source trees of the package, one per version")
+    parser.add_argument("--out", type=Path, required=True, help="folder for each run's tables and JSON")
+    parser.add_argument("--rounds", type=at_least(1), default=3, help="runs of every tree (default 3)")
+    parser.add_argument(
+        "--budget-s", type=at_least(0, float), default=480.0, help="start no run after this many seconds"
+    )
+    args = parser.parse_args(ours)
+    names = [tree.resolve().name for tree in args.trees]
+    for tree in args.trees:
+        if not (tree / "pyproject.toml").is_file():
+            parser.error(f"{tree} is not a source tree of the package: it has no pyproject.toml")
+    if len(set(names)) != len(names):
+        parser.error(f"the trees' folder names name their rows and must differ: {names}")
+    if "--repeats" in theirs or "--json" in theirs:
+        parser.error("engine_ab sets --repeats 1 and --json itself: leave them out after --")
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory(prefix="engine_ab_") as scratch:
+        sites = {name: Path(scratch) / name for name in names}
+        for tree, name in zip(args.trees, names, strict=True):
+            install(tree.resolve(), sites[name])
+        for round_ in range(args.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                if time.monotonic() - start > args.budget_s:
+                    print(f"budget spent: skipped {name}, round {round_ + 1}", file=sys.stderr)
+                    continue
+                stem = args.out / f"{name}_{round_ + 1}"
+                command = [sys.executable, str(HERE / "emulated_network.py"), *theirs, "--repeats", "1"]
+                with open(f"{stem}.md", "w") as printed:
+                    subprocess.run(
+                        [*command, "--json", f"{stem}.json"],
+                        env={**os.environ, "PYTHONPATH": str(sites[name])},
+                        stdout=printed,
+                        stderr=subprocess.STDOUT,
+                        check=True,
+                    )
+                results[name].append(json.loads(Path(f"{stem}.json").read_text()))
+    print(summary(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""benchmarks/engine_ab.py: each tree is installed on its own and each run imports that install.
+
+On the CPU (the emulated network's --dry-run, one tiny row), the checkout itself serves as the
+one tree: the run's JSON and tables land in --out and the summary gives the engine row once per
+scenario. The summary's medians are checked on made-up runs."""
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_run_of_the_checkout_as_a_tree_writes_its_tables_json_and_summary(benchmark_script, tmp_path, capsys):
+    engine_ab = benchmark_script("engine_ab")
+    out = tmp_path / "ab"
+    engine_ab.main(["--out", str(out), "--rounds", "1", str(REPO), "--", "--dry-run", "--presets", "sdp4bit"])
+    printed = capsys.readouterr().out
+    name = REPO.name
+    document = json.loads((out / f"{name}_1.json").read_text())
+    assert {run["row"] for run in document["runs"]} >= {"plain", "sdp4bit", "Trainer + sdp4bit"}
+    assert "sdp4bit" in (out / f"{name}_1.md").read_text()
+    assert f"| {name} | sdp4bit, nodes | eth100 | 1 |" in printed
+    assert f"| {name} | Trainer + sdp4bit, nodes | eth100 | 1 |" in printed
+
+
+def test_the_summary_gives_each_rows_median_and_range_over_its_runs(benchmark_script):
+    engine_ab = benchmark_script("engine_ab")
+
+    def run(step: float, compute: float, lead: float | None) -> dict:
+        network = {"step_ms": step, "host_lead_ms": {"backward": lead} if lead is not None else {}}
+        return {"row": "sdp4bit", "topology": "nodes", "compute": {"step_ms": compute}, "eth100": network}
+
+    plain = {"row": "plain", "topology": "", "step_ms": 140.0}
+    documents = [{"runs": [plain, run(s, c, lead)]} for s, c, lead in ((150, 141, 40), (190, 170, 0), (156, 143, 30))]
+    table = engine_ab.summary({"after": documents, "before": [{"runs": [run(160, 150, None)]}]})
+    after = "| after | sdp4bit, nodes | eth100 | 3 | 156.0 (150.0-190.0) | 143.0 (141.0-170.0) | 30.0 (0.0-40.0) |"
+    assert after in table
+    assert "| before | sdp4bit, nodes | eth100 | 1 | 160.0 (160.0-160.0) | 150.0 (150.0-150.0) | - |" in table
+    assert "plain" not in table
