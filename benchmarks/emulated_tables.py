@@ -42,6 +42,10 @@ from emulation import latency_ns
 from phase_timer import ALLOCATOR_CALLS, SEGMENTS, Phase
 
 SPREAD_LIMIT = 0.03  # the targets ask about differences of ~3%: a row that moves more cannot show them
+# A run whose host ends the backward closer than this to the GPU ran at the host's pace: at 1.3B, 2 x 4
+# on the H200 such runs read 170-231 ms against 156-158 ms for runs whose host stayed 28-47 ms ahead
+# (results/emulated_network_h200_2026-12-03.md).
+HOST_BOUND_MS = 10.0
 LANES = ("intra", "inter", "world", "nvlink", "nic", "latency")
 EXCHANGES = ("nvlink_weights", "nic_weights", "nvlink_gradients", "nic_gradients")
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
@@ -323,6 +327,7 @@ def host_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, l
         )
     if len(lines) == 2:
         return ""
+    bound = _host_bound_runs(measured)
     note = (
         "Host ahead: how long after the host queued a segment's end the GPU ran it (median over the timed steps; "
         "the two clocks tied together on an idle GPU at the end of each phase). Near 0, the GPU had caught up and "
@@ -331,7 +336,26 @@ def host_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, l
         "calls that stall the host or the GPU (a cudaFree waits for the whole GPU; a sync of every stream follows a "
         "failed cudaMalloc), per timed step."
     )
-    return "\n".join([f"#### {model}, {scenario.name}: the host", "", *lines, "", note, ""])
+    return "\n".join([f"#### {model}, {scenario.name}: the host", "", *lines, "", note, *bound, ""])
+
+
+def _host_bound_runs(measured: dict[str, tuple[list, list]]) -> list[str]:
+    """A note naming, per row and phase, the runs whose host ended the backward within
+    HOST_BOUND_MS of the GPU (the medians above hide a minority of them); none if there are none."""
+    counts = []
+    for name, phases in measured.items():
+        for label, results in zip(("network", "compute-only"), phases, strict=True):
+            leads = [r["host_lead_ms"]["backward"] for r in results if r.get("host_lead_ms")]
+            if bound := sum(lead < HOST_BOUND_MS for lead in leads):
+                counts.append(f"{name}, {label}: {bound} of {len(leads)}")
+    if not counts:
+        return []
+    return [
+        f"Runs bound by the host (less than {HOST_BOUND_MS:g} ms ahead of the GPU at the end of the backward, so "
+        f"that the step followed the host's speed, which differs between processes and machines): "
+        + "; ".join(counts)
+        + "."
+    ]
 
 
 def _baseline_of(name: str, medians: dict[str, float]) -> float:

@@ -395,6 +395,29 @@ def test_the_host_table_names_a_slow_step_the_hosts_lead_the_collectors_passes_a
     }
 
 
+def test_the_host_table_counts_the_runs_whose_host_fell_behind_the_gpu():
+    from emulated_tables import host_table
+    from phase_timer import Phase
+
+    def phase(backward_lead):
+        lead = {"forward": 5.0, "backward": backward_lead, "optimizer": 1.0}
+        return {"steps_ms": [150.0], "host_lead_ms": lead, "gc_passes": [0.0, 0.0, 0.0], "gc_ms": 0.0, "allocator": {}}
+
+    plain = [phase(105.0), phase(104.0)]
+    runs = {
+        "sdp4bit": [  # one network run and two compute-only runs within 10 ms of the GPU
+            {"compute": phase(-0.02), "eth100": phase(45.0)},
+            {"compute": phase(9.9), "eth100": phase(0.5)},
+            {"compute": phase(10.0), "eth100": phase(47.0)},
+        ],
+        "baseline": [{"compute": phase(40.0), "eth100": phase(50.0)}],
+    }
+    table = host_table("1.3b", Phase("eth100"), plain, runs)
+    assert "Runs bound by the host" not in host_table("1.3b", Phase("eth100"), plain, {"baseline": runs["baseline"]})
+    note = next(line for line in table.splitlines() if line.startswith("Runs bound by the host"))
+    assert note.endswith(": sdp4bit, network: 1 of 3; sdp4bit, compute-only: 2 of 3.")
+
+
 def test_the_engine_work_table_sets_each_segments_excess_beside_the_engines_calls():
     from emulated_tables import engine_work_table
     from phase_timer import Phase
