@@ -71,7 +71,7 @@ from gpu_wait import spin as gpu_wait_spin
 import lightning_sdp4bit.comm as comm
 import lightning_sdp4bit.topology as topology_module
 from lightning_sdp4bit.buffers import as_words
-from lightning_sdp4bit.streams import current_stream, running_on
+from lightning_sdp4bit.streams import running_on
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = ["PURPOSES", "FakeGroup", "Lane", "Network", "latency_ns", "message_steps"]
@@ -90,7 +90,7 @@ class _Work:
 
     def wait(self, timeout: Any = None) -> bool:
         if self._done is not None:
-            current_stream(self._device_index).wait_event(self._done)
+            torch.cuda.current_stream(self._device_index).wait_event(self._done)
         return True
 
     def is_completed(self) -> bool:
@@ -187,8 +187,8 @@ class Lane:
             loopback()
             _wait_on_host(ns)
             return _Work(None) if async_op else None
-        self.stream.wait_stream(current_stream(self.stream.device_index))
-        with running_on(self.stream):
+        with running_on(self.stream) as caller:
+            self.stream.wait_stream(caller)
             loopback()
             recording = self.recorded is not None
             if recording:

@@ -45,8 +45,6 @@ import torch
 from emulation import Network
 from trace_summary import covered, merged
 
-from lightning_sdp4bit.streams import current_stream
-
 __all__ = ["ALLOCATOR_CALLS", "PROFILED", "SEGMENTS", "Phase", "PhaseTimer", "allocator_per_step", "idle_by_segment"]
 
 PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
@@ -99,7 +97,7 @@ class PhaseTimer:
         warmup, settle, steps = args.warmup, args.settle, args.steps
         self.cuda = args.device.type == "cuda"
         # The compute stream's device, so that each clock's event skips torch's device lookup
-        # (lightning_sdp4bit.streams): the brackets take two clocks per engine call.
+        # (lightning_sdp4bit.streams says why): the brackets take two clocks per engine call.
         self._device_index = torch.cuda.current_device() if self.cuda else None
         self._marks: list[tuple[int, object]] = [(0, functools.partial(self._set_rates, phases[0]))]
         count = warmup
@@ -169,7 +167,7 @@ class PhaseTimer:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record(current_stream(self._device_index))
+        event.record(torch.cuda.current_stream(self._device_index))
         return event
 
     def _start(self, phase: Phase) -> None:

@@ -29,7 +29,7 @@ from lightning_sdp4bit.buffers import Bucket
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.reference.ops import stage_seed
 from lightning_sdp4bit.stats import WireMeter
-from lightning_sdp4bit.streams import current_stream, running_on
+from lightning_sdp4bit.streams import running_on
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = [
@@ -285,7 +285,7 @@ class _TwoLevelExchange(TwoStage):
         if self._stream is not None:
             # Made on the side stream; the caller's stream is now the one that waited for the
             # network, and it reads the received chunks below.
-            current = current_stream(self._stream.device_index)
+            current = torch.cuda.current_stream(self._stream.device_index)  # indexed: streams.py says why
             self._received.record_stream(current)
             self._sent.record_stream(current)
         self._work = self._sent = None

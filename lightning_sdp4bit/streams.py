@@ -1,4 +1,4 @@
-"""The current CUDA stream, asked for and switched at the host cost the hot paths can afford.
+"""Switching the current CUDA stream at the host cost the hot paths can afford.
 
 Each bucket's exchange asks for the current stream and switches to a side stream several times
 (`collectives.TwoStage`), 37 buckets a step at 1.3B. `torch.cuda.current_stream()` without a
@@ -6,7 +6,8 @@ device, and the `torch.cuda.stream(s)` context (which asks for the current devic
 look the device up on every call: the driver's device count, then the current device. Under
 cProfile at 1.3B, W = 8 on the H200's host (2026-12-03), the forward called
 `torch.cuda.current_stream` 387 times (the engine's exchanges and the emulated network's lanes),
-32 us a call, 12.5 ms a forward; with the device index given the lookup is skipped.
+32 us a call, 12.5 ms a forward. With the device index given
+(`torch.cuda.current_stream(index)`, `running_on`) the lookup is skipped.
 """
 
 from __future__ import annotations
@@ -16,21 +17,17 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["current_stream", "running_on"]
-
-
-def current_stream(device_index: int) -> torch.cuda.Stream:
-    """The current stream of CUDA device `device_index` (`torch.cuda.current_stream`)."""
-    return torch.cuda.current_stream(device_index)
+__all__ = ["running_on"]
 
 
 @contextlib.contextmanager
-def running_on(stream: torch.cuda.Stream) -> Iterator[None]:
+def running_on(stream: torch.cuda.Stream) -> Iterator[torch.cuda.Stream]:
     """Within, `stream` is its device's current stream; the previous one again after (as
-    `torch.cuda.stream(stream)`, which also leaves the current device as it is)."""
+    `torch.cuda.stream(stream)`, which also leaves the current device as it is). Yields the
+    previous stream, which callers that order `stream` after it would otherwise look up again."""
     previous = torch.cuda.current_stream(stream.device_index)
     torch.cuda.set_stream(stream)
     try:
-        yield
+        yield previous
     finally:
         torch.cuda.set_stream(previous)

@@ -17,7 +17,6 @@ from lightning_sdp4bit.buffers import Bucket, as_words
 from lightning_sdp4bit.collectives import Pending, Seeds, SingleStage, Stage, TwoStage, WeightAllGather, compresses
 from lightning_sdp4bit.config import SDP4BitConfig, WeightQuant
 from lightning_sdp4bit.stats import WireMeter
-from lightning_sdp4bit.streams import current_stream
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
 __all__ = ["PlainWeightAllGather", "QuantizedWeightAllGather", "weight_collective_for"]
@@ -97,7 +96,7 @@ class _TwoLevelGather(TwoStage):
         if self._landed is not None:
             # All of stage 2 ran on the side stream, after both collectives: once the caller's
             # stream waits for it, the tensors may go back to the allocator in its order.
-            current_stream(self._stream.device_index).wait_event(self._landed)
+            torch.cuda.current_stream(self._stream.device_index).wait_event(self._landed)
         else:
             self._place()
         self._sent = self._across = self._node = None
