@@ -18,6 +18,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from lightning_sdp4bit.kernels._launch import launch
 
 __all__ = ["spin", "spin_accuracy", "spin_cost"]
 
@@ -53,8 +54,10 @@ def _spin_kernel(ns, nap: tl.constexpr):
 
 
 def spin(ns: int, nap: bool = True) -> None:
-    """Launch, on the current CUDA stream, one warp that returns `ns` ns of %globaltimer after it starts."""
-    _spin_kernel[(1,)](ns, nap, num_warps=1)
+    """Launch, on the current CUDA stream, one warp that returns `ns` ns of %globaltimer after it
+    starts. Through `launch`: every emulated collective launches one, and Triton's own path (about
+    25 us of host a call) would make the emulation's host cost per collective several times NCCL's."""
+    launch(_spin_kernel, (1,), ns, nap, num_warps=1)
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from ._common import (
     hadamard_constants,
     row_length,
 )
+from ._launch import launch
 
 __all__ = ["grad_encode"]
 
@@ -109,7 +110,9 @@ def _grad_encode(
     T = config.thread_row
     shard_rows = row_numel // outer // T
     row_units, unit = row_length(payload)
-    _grad_encode_kernel[config.grid(shard_rows) + (outer * chunks,)](
+    launch(
+        _grad_encode_kernel,
+        config.grid(shard_rows) + (outer * chunks,),
         grad,
         payload.view(torch.int32),
         payload.view(torch.float32),

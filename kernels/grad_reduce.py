@@ -45,6 +45,7 @@ from ._common import (
     row_length,
     word_views,
 )
+from ._launch import launch
 
 __all__ = ["grad_decode_sum", "grad_requantize"]
 
@@ -208,7 +209,9 @@ def _grad_requantize(
     shard = numel // outer
     out = torch.empty(outer, payload_row_bytes(shard, out_bits, group_size), dtype=torch.uint8, device=payload.device)
     (in_units, in_unit), (out_units, out_unit) = row_length(payload), row_length(out)
-    _requantize_kernel[config.grid(shard // T) + (outer,)](
+    launch(
+        _requantize_kernel,
+        config.grid(shard // T) + (outer,),
         *word_views("payload", payload),
         out.view(torch.int32),
         out.view(torch.float32),
@@ -245,7 +248,9 @@ def _grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size:
     config = LaunchConfig(group_size)
     T = config.thread_row
     row_units, unit = row_length(payload)
-    _decode_sum_kernel[config.grid(out.numel() // T)](
+    launch(
+        _decode_sum_kernel,
+        config.grid(out.numel() // T),
         *word_views("payload", payload),
         out,
         out.numel() // T,

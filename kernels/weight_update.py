@@ -41,6 +41,7 @@ from ._common import (
     row_length,
     word_views,
 )
+from ._launch import launch
 
 __all__ = ["weight_update_apply", "weight_update_encode"]
 
@@ -128,7 +129,9 @@ def _weight_update_encode(
     # the H200; see LaunchConfig). Still so with SPLIT_THREAD_ROW: 96% -> 87% at 256 MiB without.
     config = LaunchConfig(group_size, SPLIT_THREAD_ROW, rows_per_thread=2, max_registers=64)
     payload = torch.empty(1, payload_row_bytes(numel, bits, group_size), dtype=torch.uint8, device=master.device)
-    _encode_kernel[config.grid(numel // config.thread_row)](
+    launch(
+        _encode_kernel,
+        config.grid(numel // config.thread_row),
         master,
         master if weights is None else weights,
         payload.view(torch.int32),
@@ -166,7 +169,9 @@ def _weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size
     config = LaunchConfig(group_size, thread_row, rows_per_thread=4)
     shard = weights.numel() // payload.shape[0]
     row_units, unit = row_length(payload)
-    _apply_kernel[config.grid(weights.numel() // config.thread_row)](
+    launch(
+        _apply_kernel,
+        config.grid(weights.numel() // config.thread_row),
         *word_views("payload", payload),
         weights,
         weights.numel() // config.thread_row,
