@@ -5,11 +5,13 @@ bucket and step before the GPU sees any work.
 
 Each op runs `--calls` times back to back on a small bucket (1 Mi elements by default, a few
 microseconds of GPU time), so the loop is bound by the host: wall time / calls is the host's
-time per call. Three ways in:
+time per call. Four ways in:
 - "custom op": `torch.ops.sdp4bit.<op>`, the dispatcher's way (what torch.compile's graphs call);
 - "wrapper": `lightning_sdp4bit.kernels.<op>`, the argument checks plus the Triton launcher (in
   eager mode the wrapper skips the dispatcher, see `kernels._common.eager`);
-- "launcher": the launch function alone, no checks.
+- "launcher": the launch function alone, no checks;
+- "launcher, Triton's path": the same with `kernels._launch` keeping no compiled kernel, so that
+  every launch goes through `kernel[grid]` (what every launch cost before `_launch`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
+from unittest import mock
 
 import torch
+from lightning_sdp4bit.kernels import _launch
 
 from lightning_sdp4bit import kernels
 
@@ -75,6 +79,13 @@ def _calls(numel: int) -> dict[str, tuple]:
     }
 
 
+class _KeepsNothing(dict):
+    """In place of `_launch`'s cache of compiled kernels: nothing is kept, every launch takes Triton's path."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
 def _host_us(fn, args, calls: int) -> float:
     for _ in range(10):
         fn(*args)
@@ -99,11 +110,13 @@ def main() -> None:
         f"Host time per call (us), {args.calls} calls of each op on a {args.numel:,}-element shard "
         f"(grad ops: a bucket of 8 shards, 2 nodes x 4), {torch.cuda.get_device_name()}, torch {torch.__version__}.",
         "",
-        "| op | custom op | wrapper (eager) | launcher only |",
-        "|---|---|---|---|",
+        "| op | custom op | wrapper (eager) | launcher only | launcher, Triton's path |",
+        "|---|---|---|---|---|",
     ]
     for name, (*ways, arguments) in _calls(args.numel).items():
         figures = [_host_us(fn, arguments, args.calls) for fn in ways]
+        with mock.patch.object(_launch, "_compiled", _KeepsNothing()):
+            figures.append(_host_us(ways[-1], arguments, args.calls))
         lines.append(f"| {name} | " + " | ".join(f"{us:.1f}" for us in figures) + " |")
     text = "\n".join(lines)
     print(text)
