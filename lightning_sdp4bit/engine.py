@@ -4,10 +4,11 @@ One optimizer step (N = bucket elements, S = N / world, per bucket; the phases a
 `lightning_sdp4bit.schedule`):
 1. backward: a post-accumulate-grad hook puts each parameter's gradient into its bucket's
    window gradients [N] (`Bucket.receive_grad`: the weights' dtype for one backward, fp32 where
-   micro-batches are summed) and frees the parameter's own .grad. While `grad_sync_enabled` (the
-   last micro-batch of an accumulation window), a bucket whose gradients are all in starts its
-   reduce-scatter, overlapping the rest of backward; the exchange takes the window gradients
-   (and divides them by the world size as it reads them).
+   micro-batches are summed; in the synced backward `Bucket.hold_grad` keeps them until the
+   bucket's exchange starts and copies them in at once) and frees the parameter's own .grad.
+   While `grad_sync_enabled` (the last micro-batch of an accumulation window), a bucket whose
+   gradients are all in starts its reduce-scatter, overlapping the rest of backward; the
+   exchange takes the window gradients (and divides them by the world size as it reads them).
 2. `finish_grad_sync` (idempotent): start what is left, wait for everything, and decide the
    step on every rank alike (`lightning_sdp4bit.guards`): global norm, non-finite gradients,
    parameters that got no gradient. Master fragments' .grad point at the gradient shard [S], or
@@ -237,7 +238,10 @@ class ShardedEngine:
                 "gradient to be final once its hook fires"
             )
         with torch.no_grad():
-            bucket.receive_grad(position, param.grad, accumulating=not self.grad_sync_enabled)
+            if self.grad_sync_enabled:
+                bucket.hold_grad(position, param.grad)
+            else:
+                bucket.receive_grad(position, param.grad, accumulating=True)
         param.grad = None
         if self.grad_sync_enabled:
             # Only the synced backward's own gradients count towards a bucket being complete.

@@ -3,8 +3,13 @@
   exchange reads them as they are), micro-batches are summed in fp32, and a second gradient for
   a position turns a bf16 buffer into fp32 first, so every sum equals the fp32 sum bit for bit;
 - the exchange gets zeros where a parameter got no gradient and in the padding, whatever the
-  allocator left there, and the bucket holds no gradients once the exchange took them.
+  allocator left there, and the bucket holds no gradients once the exchange took them;
+- gradients held in the synced backward (`Bucket.hold_grad`) reach the exchange as the ones put
+  in one by one would, bit for bit, with one multi-tensor copy for the bucket; a second
+  gradient for a held position is added in fp32; a new window drops what was held.
 """
+
+from unittest import mock
 
 import pytest
 import torch
@@ -86,3 +91,44 @@ def test_a_new_window_forgets_the_old_gradients():
     fresh = _grad(0, bucket, 2)
     bucket.receive_grad(0, fresh, accumulating=False)  # a first arrival again: copied, not added
     assert bucket.grads.dtype == torch.bfloat16 and torch.equal(_slot(bucket.take_grads(), bucket, 0), fresh)
+
+
+@pytest.mark.parametrize("earlier_micro_batch", [False, True])
+def test_held_gradients_reach_the_exchange_as_received_ones_with_one_multi_tensor_copy(earlier_micro_batch):
+    held, received = _bucket(torch.bfloat16), _bucket(torch.bfloat16)
+    if earlier_micro_batch:  # an fp32 window from an earlier micro-batch: the held ones are added
+        for bucket in (held, received):
+            bucket.receive_grad(1, _grad(1, bucket, 7), accumulating=True)
+    grads = {
+        p: _grad(p, held, p) for p in (2, 0, 1)
+    }  # in backward order; nothing for position 1 without the micro-batch
+    if not earlier_micro_batch:
+        del grads[1]
+    for position, grad in grads.items():
+        held.hold_grad(position, grad)
+        received.receive_grad(position, grad, accumulating=False)
+    assert held.received == ({1} if earlier_micro_batch else set())  # nothing is in until the exchange takes it
+    with mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as copies:
+        taken = held.take_grads()
+    assert copies.call_count == 1 and held.held == [] and held.received == received.received
+    expected = received.take_grads()
+    assert taken.dtype == expected.dtype and torch.equal(taken, expected)
+
+
+def test_a_second_gradient_for_a_held_position_is_added_in_fp32():
+    bucket = _bucket(torch.bfloat16)
+    first, other, second = _grad(0, bucket, 1), _grad(2, bucket, 2), _grad(0, bucket, 3)
+    bucket.hold_grad(0, first)
+    bucket.hold_grad(2, other)
+    bucket.hold_grad(0, second)
+    taken = bucket.take_grads()
+    assert taken.dtype == torch.float32
+    assert torch.equal(_slot(taken, bucket, 0), first.float() + second.float())
+    assert torch.equal(_slot(taken, bucket, 2), other.float())
+
+
+def test_a_new_window_drops_held_gradients():
+    bucket = _bucket(torch.bfloat16)
+    bucket.hold_grad(0, _grad(0, bucket, 1))
+    bucket.start_window()
+    assert bucket.held == [] and not bucket.take_grads().any()
