@@ -191,27 +191,31 @@ class Bucket:
         first = position not in self.received
         self.received.add(position)
         if self.grads is None:
-            dtype = torch.float32 if accumulating else self.weights.dtype
-            self.grads = torch.empty(self.layout.numel, dtype=dtype, device=self.weights.device)
-            self.grads[self.layout.used_numel :].zero_()  # the padding
+            self._make_grads(accumulating)
         elif not first and self.grads.dtype != torch.float32:
             self.grads = self.grads.float()
-        slot = self.layout.slots[position]
-        view = self.grads[slot.start : slot.start + slot.numel].view(slot.shape)
+        view = self._view(position)
         if first:
             view.copy_(grad)
         else:
             view.add_(grad)
 
+    def _make_grads(self, accumulating: bool) -> None:
+        dtype = torch.float32 if accumulating else self.weights.dtype
+        self.grads = torch.empty(self.layout.numel, dtype=dtype, device=self.weights.device)
+        self.grads[self.layout.used_numel :].zero_()  # the padding
+
     def receive_grads(self, arrivals: list[tuple[int, Tensor]], accumulating: bool) -> None:
         """`receive_grad` for several (position, gradient) pairs at once: the same result, with one
         multi-tensor copy for first arrivals and one add for the others instead of a launch per
         parameter (a simulated job takes every rank's gradients this way)."""
+        if not arrivals:
+            return
         fresh = [(p, g) for p, g in arrivals if p not in self.received]
         again = [(p, g) for p, g in arrivals if p in self.received]
-        if fresh:
-            self.receive_grad(*fresh.pop(0), accumulating)  # makes the buffer on the window's first
-        if again and self.grads is not None and self.grads.dtype != torch.float32:
+        if self.grads is None:
+            self._make_grads(accumulating)  # the window's first gradients
+        elif again and self.grads.dtype != torch.float32:
             self.grads = self.grads.float()  # sums in fp32, as receive_grad takes them
         if fresh:
             torch._foreach_copy_([self._view(p) for p, _ in fresh], [g for _, g in fresh])
