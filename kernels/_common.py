@@ -2,6 +2,8 @@
 the launch settings, the argument checks and the payload views.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -9,7 +11,7 @@ from lightning_sdp4bit.config import Rounding
 from lightning_sdp4bit.reference.hadamard import hadamard_scale
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
-from ._columns import INTERPRETING, triton
+from ._columns import INTERPRETING
 
 __all__ = [
     "INTERPRETING",
@@ -86,7 +88,8 @@ class LaunchConfig:
         self.max_registers = max_registers
 
     def grid(self, thread_rows: int) -> tuple[int]:
-        return (triton.cdiv(thread_rows, self.rows),)
+        # Ceiling division in Python: triton.cdiv is a ConstexprFunction, 1.9 us a call on the host.
+        return (-(-thread_rows // self.rows),)
 
     def options(self) -> dict:
         """The launch's compile options. FMA contraction stays off: see `_columns` on bit-exactness."""
@@ -193,8 +196,11 @@ def row_length(payload: Tensor) -> tuple[int, int]:
     return words // unit, unit
 
 
+@functools.cache
 def hadamard_constants(hadamard_size: int) -> dict:
-    """The constexpr arguments of `hadamard_columns` (LOG2_H = 0 means no transform)."""
+    """The constexpr arguments of `hadamard_columns` (LOG2_H = 0 means no transform). Cached:
+    hadamard_scale rounds through a tensor (3 us a call), on every launch that takes these. The
+    callers unpack the dict and never change it."""
     return {
         "LOG2_H": max(hadamard_size, 1).bit_length() - 1,
         "H_SCALE": hadamard_scale(hadamard_size) if hadamard_size > 1 else 1.0,
