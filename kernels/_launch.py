@@ -1,11 +1,11 @@
 """Kernel launches that skip Triton's per-call Python once a kernel is compiled.
 
 `kernel[grid](*args, **constexprs)` binds and specializes every argument, builds a cache key,
-checks the kernel's globals and looks the device and stream up, on every call: with our
-launchers' own Python, 40-60 us of host per launch on the H200's host, where the compiled
-kernel's launcher alone takes 11-13 us (2026-12-03, benchmarks/launch_overhead.py). The engine
-makes five launches per bucket and step (185 at 1.3B), and at 2 nodes x 4 its host takes about
-as long as the GPU (benchmarks/host_time.py), so those microseconds are step time.
+checks the kernel's globals and looks the device and stream up, on every call: 26-32 us of
+host per launch on the H200's host, where the compiled kernel's launcher alone takes 11-13 us
+(benchmarks/results/host_path_h200_2026-12-03.md). The engine makes five launches per bucket
+and step (185 at 1.3B), and at 2 nodes x 4 its host took about as long as the GPU
+(benchmarks/host_time.py), so those microseconds were step time.
 
 `launch` takes Triton's own path the first time it sees an argument signature, keeps the
 compiled kernel that path returns, and sends later calls with that signature straight to the
@@ -20,7 +20,8 @@ compile apart, or a kernel specialized for 16-byte-aligned pointers could run on
   same every step, so each bucket settles on one signature);
 - constexprs and compile options by value.
 
-tests/test_launch_gpu.py checks that split against Triton's own binder. Triton's path is taken
+tests/test_launch_gpu.py checks that split against the kernel Triton's own path picks for the
+same arguments (its warmup run). Triton's path is taken
 every time where it must run: in the interpreter (no compiled kernel), and while a launch hook
 is set (a profiler such as Proton watches launches through it).
 """

@@ -224,13 +224,13 @@ class Bucket:
             torch._foreach_add_([self._view(p) for p, _ in again], [g for _, g in again])
 
     def hold_grad(self, position: int, grad: Tensor) -> None:
-        """Keep parameter `position`'s gradient of the synced backward (one gradient each, the
-        weights' dtype or added to an fp32 window) until the exchange takes the window gradients
-        (`take_grads`), then put the bucket's in with `receive_grads`: a multi-tensor copy where a
-        copy per parameter cost a launch each (292 a step at 1.3B, where the host's step was as
-        long as the GPU's). The held gradients take the memory their copies in `grads` would;
-        while they are put in, the bucket has both for a moment. A second gradient for a held
-        position puts the held ones in first, so that it is added to them."""
+        """Keep parameter `position`'s gradient of the synced backward until the exchange takes
+        the window gradients (`take_grads`), then put the bucket's in with `receive_grads`, as
+        `receive_grad` would one by one (copied, or added to an fp32 window): a multi-tensor
+        copy where a copy per parameter cost a launch each (292 a step at 1.3B, where the host's
+        step was as long as the GPU's). The held gradients take the memory their copies in
+        `grads` would; while they are put in, the bucket has both for a moment. A second
+        gradient for a held position puts the held ones in first, so that it is added to them."""
         if any(held == position for held, _ in self.held):
             self._receive_held()
             self.receive_grad(position, grad, accumulating=False)
