@@ -13,8 +13,9 @@ that each run imported its own tree. Rounds run every tree once, forwards then b
 turn, so that a drift of the machine falls on every tree alike. A run that would start after
 --budget-s seconds is skipped, so that one device call brings back what it has. Each run's
 tables and raw JSON go to --out; the summary printed at the end gives, per tree, the median and
-min-max over its runs of each engine row's step and compute-only step, and of the host's lead on
-the GPU at the end of the backward (a run near 0 there was bound by the host, not the GPU).
+min-max over its runs of each engine row's step, compute-only step, compute-only step over the
+same run's plain step, and the host's lead on the GPU at the end of the backward, and how many
+runs were bound by the host (less than 10 ms ahead there: the step followed the host's speed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 from cli_args import at_least
+from emulated_tables import HOST_BOUND_MS
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,30 +54,46 @@ def install(tree: Path, target: Path) -> None:
 
 
 def summary(results: dict[str, list[dict]]) -> str:
-    """Markdown: per tree, engine row, topology and scenario, the median (min-max) over its runs."""
+    """Markdown: per tree, engine row, topology and scenario, the median (min-max) over its runs of
+    the step, the compute-only step, that over the same run's plain step, and the host's lead at
+    the end of the backward; and how many runs were bound by the host (a lead under
+    HOST_BOUND_MS at the end of the backward), with the network on and compute-only."""
     lines = [
-        "| tree | row | scenario | runs | step (ms) | compute-only (ms) | host ahead at the end of backward (ms) |",
-        "|---|---|---|---|---|---|---|",
+        "| tree | row | scenario | runs | step (ms) | compute-only (ms) | compute-only / plain "
+        "| host ahead at the end of backward (ms) | runs bound by the host: network / compute-only |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for tree, documents in results.items():
-        cells: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        cells: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] = {}
         for document in documents:
+            plain = next((run["step_ms"] for run in document["runs"] if run["row"] == "plain"), math.nan)
             for run in document["runs"]:
                 scenarios = [key for key, value in run.items() if isinstance(value, dict) and key != "compute"]
                 for scenario in scenarios if run["row"] != "plain" else []:
-                    lead = (run[scenario].get("host_lead_ms") or {}).get("backward", math.nan)
+                    lead = _backward_lead(run[scenario])
                     row = f"{run['row']}, {run['topology']}" if run["topology"] else run["row"]
-                    figures = (run[scenario]["step_ms"], run["compute"]["step_ms"], lead)
+                    compute = run["compute"]["step_ms"]
+                    figures = (run[scenario]["step_ms"], compute, compute / plain, lead, _backward_lead(run["compute"]))
                     cells.setdefault((row, scenario), []).append(figures)
         for (row, scenario), figures in cells.items():
-            columns = [[f[i] for f in figures] for i in range(3)]
-            text = [_median_and_range([x for x in c if not math.isnan(x)]) for c in columns]
-            lines.append(f"| {tree} | {row} | {scenario} | {len(figures)} | " + " | ".join(text) + " |")
+            columns = [[f[i] for f in figures if not math.isnan(f[i])] for i in range(5)]
+            text = [_median_and_range(c, "{:.1f}") for c in columns[:2]]
+            text += [_median_and_range(columns[2], "{:.3f}"), _median_and_range(columns[3], "{:.1f}")]
+            bound = [f"{sum(lead < HOST_BOUND_MS for lead in c)} of {len(c)}" if c else "-" for c in columns[3:]]
+            cells_text = " | ".join([*text, " / ".join(bound)])
+            lines.append(f"| {tree} | {row} | {scenario} | {len(figures)} | {cells_text} |")
     return "\n".join(lines)
 
 
-def _median_and_range(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})" if values else "-"
+def _backward_lead(phase: dict) -> float:
+    return (phase.get("host_lead_ms") or {}).get("backward", math.nan)
+
+
+def _median_and_range(values: list[float], form: str) -> str:
+    if not values:
+        return "-"
+    low, middle, high = (form.format(v) for v in (min(values), statistics.median(values), max(values)))
+    return f"{middle} ({low}-{high})"
 
 
 def main(argv: list[str] | None = None) -> None:

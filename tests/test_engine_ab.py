@@ -26,14 +26,20 @@ def test_a_run_of_the_checkout_as_a_tree_writes_its_tables_json_and_summary(benc
 def test_the_summary_gives_each_rows_median_and_range_over_its_runs(benchmark_script):
     engine_ab = benchmark_script("engine_ab")
 
-    def run(step: float, compute: float, lead: float | None) -> dict:
+    def run(step: float, compute: float, lead: float | None, compute_lead: float) -> dict:
         network = {"step_ms": step, "host_lead_ms": {"backward": lead} if lead is not None else {}}
-        return {"row": "sdp4bit", "topology": "nodes", "compute": {"step_ms": compute}, "eth100": network}
+        compute_only = {"step_ms": compute, "host_lead_ms": {"backward": compute_lead}}
+        return {"row": "sdp4bit", "topology": "nodes", "compute": compute_only, "eth100": network}
 
     plain = {"row": "plain", "topology": "", "step_ms": 140.0}
-    documents = [{"runs": [plain, run(s, c, lead)]} for s, c, lead in ((150, 141, 40), (190, 170, 0), (156, 143, 30))]
-    table = engine_ab.summary({"after": documents, "before": [{"runs": [run(160, 150, None)]}]})
-    after = "| after | sdp4bit, nodes | eth100 | 3 | 156.0 (150.0-190.0) | 143.0 (141.0-170.0) | 30.0 (0.0-40.0) |"
+    runs = ((150, 141, 40, 30), (190, 168, 0, 2), (156, 147, 30, 9.9))
+    documents = [{"runs": [plain, run(*figures)]} for figures in runs]
+    table = engine_ab.summary({"after": documents, "before": [{"runs": [run(160, 150, None, 20)]}]})
+    after = (
+        "| after | sdp4bit, nodes | eth100 | 3 | 156.0 (150.0-190.0) | 147.0 (141.0-168.0) | 1.050 (1.007-1.200) "
+        "| 30.0 (0.0-40.0) | 1 of 3 / 2 of 3 |"
+    )
     assert after in table
-    assert "| before | sdp4bit, nodes | eth100 | 1 | 160.0 (160.0-160.0) | 150.0 (150.0-150.0) | - |" in table
-    assert "plain" not in table
+    before = "| before | sdp4bit, nodes | eth100 | 1 | 160.0 (160.0-160.0) | 150.0 (150.0-150.0) | - | - | - / 0 of 1 |"
+    assert before in table  # its document has no plain run and no network lead
+    assert "| plain" not in table
