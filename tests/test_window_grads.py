@@ -132,3 +132,44 @@ def test_a_new_window_drops_held_gradients():
     bucket.hold_grad(0, _grad(0, bucket, 1))
     bucket.start_window()
     assert bucket.held == [] and not bucket.take_grads().any()
+
+
+def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in_once(benchmark_script, monkeypatch):
+    """Wiring: the engine's hooks hold the synced backward's gradients (no copy per parameter)
+    and each bucket takes its own in once, when its exchange starts; a micro-batch outside the
+    sync still puts each gradient in as it comes, in fp32."""
+    from lightning_sdp4bit.buffers import Bucket
+    from lightning_sdp4bit.config import SDP4BitConfig
+    from lightning_sdp4bit.engine import ShardedEngine
+    from lightning_sdp4bit.topology import Topology
+
+    network_module = benchmark_script("emulation")
+    calls = {"receive_grad": 0, "receive_grads": 0}
+    for name in calls:
+        method = getattr(Bucket, name)
+
+        def counting(self, *args, _method=method, _name=name, **kwargs):
+            calls[_name] += 1
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(Bucket, name, counting)
+    topology = Topology(0, 8, 4)
+    network = network_module.Network(torch.device("cpu"), topology, "own")
+    with network.install():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=4, bucket_numel=64 * 64 + 64)
+        engine = ShardedEngine(model, config, topology, network.groups())
+        buckets, params = len(engine.buckets), sum(len(b.params) for b in engine.buckets)
+        assert buckets == 2 and params == 4
+        engine.before_backward()
+        engine.grad_sync_enabled = False  # a micro-batch outside the sync
+        model(torch.randn(8, 64)).square().mean().backward()
+        assert calls == {"receive_grad": params, "receive_grads": 0}
+        assert all(bucket.grads.dtype == torch.float32 and not bucket.held for bucket in engine.buckets)
+        engine.grad_sync_enabled = True
+        model(torch.randn(8, 64)).square().mean().backward()
+        engine.finish_grad_sync()
+        assert calls == {"receive_grad": params, "receive_grads": buckets}
+        assert all(bucket.received == set(range(len(bucket.params))) for bucket in engine.buckets)
+        engine.close()
