@@ -169,7 +169,7 @@ class Bucket:
         device = weights.device
         self.grads: Tensor | None = None  # the window gradients [N], see receive_grad
         self.received: set[int] = set()  # positions that got a gradient this window
-        self.held: list[tuple[int, Tensor]] = []  # (position, gradient) not yet in `grads`, see hold_grad
+        self.held: dict[int, Tensor] = {}  # position -> gradient not yet in `grads`, in arrival order; see hold_grad
         lo, hi = layout.shard_bounds(rank)
         self.master = weights[lo:hi].float().clone()
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
@@ -231,16 +231,16 @@ class Bucket:
         step was as long as the GPU's). The held gradients take the memory their copies in
         `grads` would; while they are put in, the bucket has both for a moment. A second
         gradient for a held position puts the held ones in first, so that it is added to them."""
-        if any(held == position for held, _ in self.held):
+        if position in self.held:
             self._receive_held()
             self.receive_grad(position, grad, accumulating=False)
         else:
-            self.held.append((position, grad))
+            self.held[position] = grad
 
     def _receive_held(self) -> None:
         if self.held:
-            held, self.held = self.held, []
-            self.receive_grads(held, accumulating=False)
+            held, self.held = self.held, {}
+            self.receive_grads(list(held.items()), accumulating=False)
 
     def _view(self, position: int) -> Tensor:
         slot = self.layout.slots[position]
@@ -267,13 +267,13 @@ class Bucket:
         parameters at `positions`: later gradients are added to them, in fp32."""
         self.grads = full
         self.received = set(positions)
-        self.held = []
+        self.held = {}
 
     def start_window(self) -> None:
         """A new accumulation window: no gradients yet (any not exchanged are dropped)."""
         self.grads = None
         self.received = set()
-        self.held = []
+        self.held = {}
 
 
 def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Parameter], rank: int) -> list[Bucket]:

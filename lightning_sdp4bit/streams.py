@@ -3,11 +3,11 @@
 Each bucket's exchange asks for the current stream and switches to a side stream several times
 (`collectives.TwoStage`), 37 buckets a step at 1.3B. `torch.cuda.current_stream()` without a
 device, and the `torch.cuda.stream(s)` context (which asks for the current device itself, twice),
-look the device up on every call: the driver's device count, then the current device. Under
-cProfile at 1.3B, W = 8 on the H200's host (2026-12-03), the forward called
-`torch.cuda.current_stream` 387 times (the engine's exchanges and the emulated network's lanes),
-32 us a call, 12.5 ms a forward. With the device index given
-(`torch.cuda.current_stream(index)`, `running_on`) the lookup is skipped.
+look the device up on every call: the driver's device count, then the current device. At 1.3B,
+W = 8, the forward called `torch.cuda.current_stream` 387 times (the engine's exchanges and the
+emulated network's lanes), 7.6 us a call on the H200's host against 3.4 us with the device index
+given (benchmarks/results/host_path_h200_2026-12-03.md; cProfile had put it at 32 us). With the
+index (`torch.cuda.current_stream(index)`, `running_on`) the lookup is skipped.
 """
 
 from __future__ import annotations
