@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from cli_args import at_least
 from emulated_runs import (
     DRY_RUN_MODELS,
     ENGINE_ROWS,
@@ -85,7 +86,7 @@ from emulated_runs import (
 from emulated_tables import engine_work_table, host_table, scenario_table, segment_table
 from emulation import LIGHTNING_LANES
 from gpu_wait import spin_accuracy, spin_cost
-from phase_timer import Phase
+from phase_timer import POWER_WARMUP_S, Phase
 
 from lightning_sdp4bit.topology import Topology
 
@@ -115,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 10; --quick 3)")
     repeats = "runs of every row, interleaved, each from a fresh state (default 3; --quick and --dry-run 1)"
     parser.add_argument("--repeats", type=int, default=None, help=repeats)
+    first = "the rounds are interleave's from this one on (engine_ab.py: its Nth process of one round runs round N)"
+    parser.add_argument("--first-round", type=at_least(0), default=0, help=first)
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="few steps: every row of both models in ~4 min")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny GPT, one step: checks the script only")
@@ -232,17 +235,18 @@ def _trace_path(args, *parts: str) -> str | None:
     return str(path.with_name(f"{stem}_{name}{suffix}"))
 
 
-def interleave(jobs: Sequence[T], repeats: int) -> list[list[T]]:
-    """The order of `repeats` rounds, each of which runs every job once.
+def interleave(jobs: Sequence[T], repeats: int, first: int = 0) -> list[list[T]]:
+    """The order of `repeats` rounds, each of which runs every job once (rounds `first` on).
 
-    Round r runs the jobs rotated by r, so that no job always runs first (or at the same point of
-    a drift); odd rounds run backwards, so that no job always follows the same one (rotation alone
-    leaves every job but the first few behind the same neighbour in every round).
+    Odd rounds run backwards, so that no job always follows the same one, and every second round
+    rotates by one more job, so that no job always runs first (or at the same point of a drift:
+    the GPU's clocks fall within a run). Two jobs run AB, BA, BA, AB, ...: rotating every round
+    as well as reversing the odd ones ran two jobs AB in every round, the plain row always first.
     """
     rounds = []
-    for r in range(repeats):
+    for r in range(first, first + repeats):
         order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
-        shift = r % len(order)
+        shift = (r // 2) % len(order)
         rounds.append(order[shift:] + order[:shift])
     return rounds
 
@@ -269,7 +273,7 @@ def measure_model(model: str, args, device: torch.device) -> list[dict]:
     rows = engine_rows(args)
     jobs = [("plain", "")] + [(row, key) for key in topologies for row in rows]
     raw = []
-    for r, order in enumerate(interleave(jobs, args.repeats)):
+    for r, order in enumerate(interleave(jobs, args.repeats, args.first_round)):
         for position, (row, key) in enumerate(order):
             where = f", {key}" if key else ""
             print(f"{model}, round {r + 1}/{args.repeats}: {row}{where}", file=sys.stderr)
@@ -344,12 +348,13 @@ def _measure(args, argv: list[str] | None) -> dict:
     name = "CPU" if args.dry_run else torch.cuda.get_device_name()
     ckpt = [model for model in args.models if MODELS[model].checkpoint]
     checkpointed = f" ({', '.join(ckpt)} with activation checkpointing)" if ckpt else ""
+    power = "" if args.dry_run else f" (and {POWER_WARMUP_S} s of matrix products first: the GPU at its power limit)"
     header = [
         f"### Emulated network on {name}, {datetime.date.today()}",
         "",
         f"`python benchmarks/emulated_network.py {' '.join(sys.argv[1:] if argv is None else argv)}`: rank 0 of "
         f"{args.world} ranks, {args.repeats} x {args.steps} timed steps per row after {args.warmup} + {args.settle} "
-        f"untimed, bf16 GPT{checkpointed}, "
+        f"untimed{power}, bf16 GPT{checkpointed}, "
         f"fused AdamW, clip 1.0; Lightning's collectives on the {args.lightning_lane} lane; torch {torch.__version__}; "
         f"{time.perf_counter() - started:.0f} s in all." + ("" if args.dry_run else _wait_note()),
         "",

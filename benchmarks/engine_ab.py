@@ -10,7 +10,9 @@ Each tree is installed on its own (`pip install --no-deps --target`), and each r
 process of this checkout's `emulated_network.py` (the arguments after `--`, plus `--repeats 1
 --json`) with that install first on the path: only the engine differs, and the script checks
 that each run imported its own tree. Rounds run every tree once, forwards then backwards in
-turn, so that a drift of the machine falls on every tree alike. A run that would start after
+turn, so that a drift of the machine falls on every tree alike; a tree's Nth run is
+`emulated_network.py`'s round N (`--first-round`), so that the plain row, which each run measures
+beside the engine's, does not always run first. A run that would start after
 --budget-s seconds is skipped, so that one device call brings back what it has. Each run's
 tables and raw JSON go to --out; the summary printed at the end gives, per tree, the median and
 min-max over its runs of each engine row's step, compute-only step, compute-only step over the
@@ -113,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{tree} is not a source tree of the package: it has no pyproject.toml")
     if len(set(names)) != len(names):
         parser.error(f"the trees' folder names name their rows and must differ: {names}")
-    if "--repeats" in theirs or "--json" in theirs:
-        parser.error("engine_ab sets --repeats 1 and --json itself: leave them out after --")
+    if {"--repeats", "--json", "--first-round"} & set(theirs):
+        parser.error("engine_ab sets --repeats 1, --first-round and --json itself: leave them out after --")
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {name: [] for name in names}
@@ -128,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"budget spent: skipped {name}, round {round_ + 1}", file=sys.stderr)
                     continue
                 stem = args.out / f"{name}_{round_ + 1}"
+                # Round N of emulated_network's order, so that the plain row does not always run first.
                 command = [sys.executable, str(HERE / "emulated_network.py"), *theirs, "--repeats", "1"]
+                command += ["--first-round", str(round_)]
                 with open(f"{stem}.md", "w") as printed:
                     subprocess.run(
                         [*command, "--json", f"{stem}.json"],

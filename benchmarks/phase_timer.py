@@ -48,6 +48,14 @@ from trace_summary import covered, merged
 __all__ = ["ALLOCATOR_CALLS", "PROFILED", "SEGMENTS", "Phase", "PhaseTimer", "allocator_per_step", "idle_by_segment"]
 
 PROFILED = 3  # steps of the last phase traced under the torch profiler, untimed
+# Seconds of matrix products queued before the first phase's settle steps. Why: the GPU's power
+# limit acts on a power averaged over about a second. From idle (a run starts after a fresh
+# state), the first ~0.7 s of full load run at the full clock; then the average reaches the limit
+# (700 W on the H200) and the clock drops to ~1450 MHz for ~0.2 s before it settles near
+# 1750 MHz. Timed from a cold start, one step in five ran 15-20 ms (12%) slow, wherever the dip
+# fell (2026-12-03, nvidia-smi at 50 ms; benchmarks/results/power_warmup_h200_2026-12-03.md).
+# A run of training holds the limit, so the steps are timed there.
+POWER_WARMUP_S = 1.5
 SEGMENTS = ("forward", "backward", "optimizer")
 # torch.cuda.memory_stats() counters -> the names `allocator` reports them under
 ALLOCATOR_CALLS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree", "num_sync_all_streams": "syncs"}
@@ -101,6 +109,8 @@ class PhaseTimer:
         self._device_index = torch.cuda.current_device() if self.cuda else None
         self._marks: list[tuple[int, object]] = [(0, functools.partial(self._set_rates, phases[0]))]
         count = warmup
+        if self.cuda:  # before the first phase's settle steps, so that they carry their own exchanges
+            self._marks.append((count, self._hold_power_limit))
         for phase in phases:
             self._marks.append((count, functools.partial(self._set_rates, phase)))
             self._marks.append((count + settle, functools.partial(self._start, phase)))
@@ -163,6 +173,21 @@ class PhaseTimer:
             self.network.record_network_link(True)
             self._recording_since = self._clock()
 
+    def _hold_power_limit(self) -> None:
+        """Queue POWER_WARMUP_S seconds of bf16 matrix products on the compute stream (timed from
+        one calibration, which synchronizes: the warm-up steps are untimed)."""
+        a = torch.randn(8192, 8192, device=f"cuda:{self._device_index}", dtype=torch.bfloat16)  # 1.1 TFLOP a product
+        out = torch.empty_like(a)
+        torch.mm(a, a, out=out)  # the library's first call (its workspace, its choice of kernel)
+        start = self._clock()
+        for _ in range(10):
+            torch.mm(a, a, out=out)
+        end = self._clock()
+        end.synchronize()
+        per_product_ms = start.elapsed_time(end) / 10
+        for _ in range(math.ceil(POWER_WARMUP_S * 1e3 / per_product_ms)):
+            torch.mm(a, a, out=out)
+
     def _clock(self):
         if not self.cuda:
             return time.perf_counter()
@@ -177,6 +202,7 @@ class PhaseTimer:
             torch.cuda.reset_peak_memory_stats()
             self._allocator_before = torch.cuda.memory_stats()
         self._open[phase.name] = self._last_clock = self._clock()
+        self._wall_start = time.time()  # seconds since the epoch: to match a log of the GPU's clocks
         self._segments, self._points, self._host_marks, self._gc_passes = [], [], [], []
         self._brackets = []
         gc.callbacks.append(self._on_gc)
@@ -200,6 +226,7 @@ class PhaseTimer:
         busy = {k: v / 1e6 / self.steps for k, v in network.link_busy_ns().items()} if network else {}
         self._done[phase.name] = {
             "clocks": (self._open.pop(phase.name), end),
+            "wall_s": (self._wall_start, time.time()),
             "busy_ms": busy,
             "lightning_ops": network.lightning_ops / self.steps if network else 0.0,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
@@ -232,9 +259,11 @@ class PhaseTimer:
         link_idle_ms (the network link's idle ms per step within each segment; empty likewise),
         points_ms (each `point` name -> its mean ms from its step's forward mark, negative before),
         brackets_ms (each `bracket` name -> its ms per timed step),
-        steps_ms (each marked step's length), host_lead_ms (per segment, the median ms the GPU ran
-        its end after the host queued it; empty on the CPU), gc_passes and gc_ms (per timed step),
-        allocator (`allocator_per_step`; empty on the CPU)."""
+        steps_ms (each marked step's length), step_segments_ms (each step's segments),
+        host_lead_ms (per segment, the median ms the GPU ran its end after the host queued it; empty
+        on the CPU), step_host_lead_ms (each step's lead at its end; empty on the CPU), wall_s (the
+        host's epoch seconds at the phase's start and stop, to match a log of the GPU's clocks),
+        gc_passes and gc_ms (per timed step), allocator (`allocator_per_step`; empty on the CPU)."""
         if self._marks:
             raise RuntimeError(f"the run stopped after {self._count} of {self.total_steps} steps")
         if self.cuda:
@@ -264,7 +293,10 @@ class PhaseTimer:
                 brackets[name] = brackets.get(name, 0.0) + (ms(end) - ms(begin)) / self.steps
             result["brackets_ms"] = brackets
             result["steps_ms"] = self._steps_ms(spans)
-            result["host_lead_ms"] = self._host_leads(clocks, *result.pop("host_marks"))
+            result["step_segments_ms"] = self._step_segments_ms(spans)
+            host_marks = result.pop("host_marks")
+            result["host_lead_ms"] = self._host_leads(clocks, *host_marks)
+            result["step_host_lead_ms"] = self._host_leads(clocks, *host_marks, per_step=True)
         return self._done
 
     @staticmethod
@@ -279,16 +311,29 @@ class PhaseTimer:
         return lengths
 
     @staticmethod
-    def _host_leads(clocks: list, anchor: tuple | None, host_marks: list[int]) -> dict[str, float]:
-        """Per segment, the median ms by which the GPU ran its end mark after the host queued it.
+    def _step_segments_ms(spans: list[tuple[str, float, float]]) -> list[dict[str, float]]:
+        """Each step's segments (name -> ms): which part of a slow step was slow."""
+        steps: list[dict[str, float]] = [{}]
+        for name, begin, end in spans:
+            steps[-1][name] = steps[-1].get(name, 0.0) + end - begin
+            if name == SEGMENTS[-1]:
+                steps.append({})
+        return steps[:-1]
+
+    @staticmethod
+    def _host_leads(clocks: list, anchor: tuple | None, host_marks: list[int], per_step: bool = False):
+        """Per segment, the median ms by which the GPU ran its end mark after the host queued it;
+        `per_step`: instead the list of each step's lead at its end (its last segment's mark).
         `anchor`: (host ns, CUDA event) taken together on an idle GPU; None on the CPU."""
         if anchor is None:
-            return {}
+            return [] if per_step else {}
         host_anchor, gpu_anchor = anchor
         leads: dict[str, list[float]] = {}
         for (name, _, clock), host in zip(clocks, host_marks):
             # The GPU ran the mark elapsed_time ms before the anchor, which it ran at host_anchor.
             leads.setdefault(name, []).append((host_anchor - host) / 1e6 - clock.elapsed_time(gpu_anchor))
+        if per_step:
+            return leads.get(SEGMENTS[-1], [])
         return {name: statistics.median(values) for name, values in leads.items()}
 
     def _elapsed_ms(self, start, end) -> float:

@@ -17,7 +17,16 @@ import pytest
         ("engine_ab", ["--out", "o", "--rounds", "0", "."], "argument --rounds: must be at least 1, got 0"),
         ("engine_ab", ["--out", "o", "nowhere"], "nowhere is not a source tree of the package: it has no pyproject"),
         ("engine_ab", ["--out", "o", "REPO", "REPO"], "the trees' folder names name their rows and must differ"),
-        ("engine_ab", ["--out", "o", "REPO", "--", "--repeats", "2"], "engine_ab sets --repeats 1 and --json itself"),
+        (
+            "engine_ab",
+            ["--out", "o", "REPO", "--", "--repeats", "2"],
+            "engine_ab sets --repeats 1, --first-round and --json itself",
+        ),
+        (
+            "emulated_network",
+            ["--dry-run", "--first-round", "-1"],
+            "argument --first-round: must be at least 0, got -1",
+        ),
         ("read_guard", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
         ("checkpoint_checksum", ["--gib", "-1"], "argument --gib: must be at least 0.001, got -1"),
         ("training_step", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
