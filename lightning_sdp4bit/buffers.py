@@ -225,8 +225,8 @@ class Bucket:
 
     def hold_grad(self, position: int, grad: Tensor) -> None:
         """Keep parameter `position`'s gradient of the synced backward until the exchange takes
-        the window gradients (`take_grads`), then put the bucket's in with `receive_grads`, as
-        `receive_grad` would one by one (copied, or added to an fp32 window): a multi-tensor
+        the window gradients (`take_grads`), then put the bucket's in at once, as `receive_grad`
+        would one by one (copied, or added to an fp32 window): one concatenation or multi-tensor
         copy where a copy per parameter cost a launch each (292 a step at 1.3B, where the host's
         step was as long as the GPU's). The held gradients take the memory their copies in
         `grads` would; while they are put in, the bucket has both for a moment. A second
@@ -238,8 +238,21 @@ class Bucket:
             self.held[position] = grad
 
     def _receive_held(self) -> None:
-        if self.held:
-            held, self.held = self.held, {}
+        if not self.held:
+            return
+        held, self.held = self.held, {}
+        slots = self.layout.slots
+        if self.grads is None and not self.received and len(held) == len(slots):
+            # Every parameter's first gradient: the slots lie back to back from 0, so one
+            # concatenation writes them all. In the engine at 1.3B on the H200 this took the
+            # gradient hooks' compute-stream time from 4.68-4.91 to 4.35-4.58 ms a step (six runs
+            # each); alone, on freshly made tensors, it was the slower of the two
+            # (benchmarks/results/power_warmup_h200_2026-12-03.md).
+            self._make_grads(accumulating=False)
+            used = self.grads[: self.layout.used_numel]
+            torch.cat([held[position].reshape(-1) for position in range(len(slots))], out=used)
+            self.received.update(held)
+        else:
             self.receive_grads(list(held.items()), accumulating=False)
 
     def _view(self, position: int) -> Tensor:

@@ -5,8 +5,9 @@
 - the exchange gets zeros where a parameter got no gradient and in the padding, whatever the
   allocator left there, and the bucket holds no gradients once the exchange took them;
 - gradients held in the synced backward (`Bucket.hold_grad`) reach the exchange as the ones put
-  in one by one would, bit for bit, with one multi-tensor copy for the bucket; a second
-  gradient for a held position is added in fp32; a new window drops what was held.
+  in one by one would, bit for bit: one concatenation when every parameter's is held, else one
+  multi-tensor copy for the bucket; a second gradient for a held position is added in fp32; a
+  new window drops what was held.
 """
 
 from unittest import mock
@@ -113,6 +114,25 @@ def test_held_gradients_reach_the_exchange_as_received_ones_with_one_multi_tenso
     assert copies.call_count == 1 and held.held == {} and held.received == received.received
     expected = received.take_grads()
     assert taken.dtype == expected.dtype and torch.equal(taken, expected)
+
+
+def test_a_bucket_whose_every_gradient_is_held_takes_them_in_with_one_concatenation():
+    held, received = _bucket(torch.bfloat16), _bucket(torch.bfloat16)
+    for position in (2, 0, 1):  # backward order
+        grad = _grad(position, held, position)
+        held.hold_grad(position, grad)
+        received.receive_grad(position, grad, accumulating=False)
+    empty = torch.empty  # the buffer as the allocator gives it: not zeros
+    with (
+        mock.patch.object(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))),
+        mock.patch.object(torch, "cat", wraps=torch.cat) as cats,
+        mock.patch.object(torch, "_foreach_copy_", wraps=torch._foreach_copy_) as copies,
+    ):
+        taken = held.take_grads()
+    assert cats.call_count == 1 and copies.call_count == 0
+    assert held.held == {} and held.received == {0, 1, 2}
+    expected = received.take_grads()
+    assert taken.dtype == torch.bfloat16 and torch.equal(taken, expected)  # the padding zeros too
 
 
 def test_a_second_gradient_for_a_held_position_is_added_in_fp32():
