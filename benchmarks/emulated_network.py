@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 10; --quick 3)")
     repeats = "runs of every row, interleaved, each from a fresh state (default 3; --quick and --dry-run 1)"
     parser.add_argument("--repeats", type=int, default=None, help=repeats)
-    first = "the rounds are interleave's from this one on (engine_ab.py: its Nth process of one round runs round N)"
+    first = "start the interleaved order at this round (engine_ab.py runs its Nth round of processes as round N)"
     parser.add_argument("--first-round", type=at_least(0), default=0, help=first)
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="few steps: every row of both models in ~4 min")

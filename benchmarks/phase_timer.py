@@ -294,9 +294,9 @@ class PhaseTimer:
             result["brackets_ms"] = brackets
             result["steps_ms"] = self._steps_ms(spans)
             result["step_segments_ms"] = self._step_segments_ms(spans)
-            host_marks = result.pop("host_marks")
-            result["host_lead_ms"] = self._host_leads(clocks, *host_marks)
-            result["step_host_lead_ms"] = self._host_leads(clocks, *host_marks, per_step=True)
+            leads = self._host_leads(clocks, *result.pop("host_marks"))
+            result["host_lead_ms"] = {name: statistics.median(values) for name, values in leads.items()}
+            result["step_host_lead_ms"] = leads.get(SEGMENTS[-1], [])
         return self._done
 
     @staticmethod
@@ -321,20 +321,18 @@ class PhaseTimer:
         return steps[:-1]
 
     @staticmethod
-    def _host_leads(clocks: list, anchor: tuple | None, host_marks: list[int], per_step: bool = False):
-        """Per segment, the median ms by which the GPU ran its end mark after the host queued it;
-        `per_step`: instead the list of each step's lead at its end (its last segment's mark).
-        `anchor`: (host ns, CUDA event) taken together on an idle GPU; None on the CPU."""
+    def _host_leads(clocks: list, anchor: tuple | None, host_marks: list[int]) -> dict[str, list[float]]:
+        """Per segment, the ms by which the GPU ran each step's end mark of it after the host
+        queued that mark, in step order. `anchor`: (host ns, CUDA event) taken together on an
+        idle GPU; None on the CPU (no leads)."""
         if anchor is None:
-            return [] if per_step else {}
+            return {}
         host_anchor, gpu_anchor = anchor
         leads: dict[str, list[float]] = {}
         for (name, _, clock), host in zip(clocks, host_marks):
             # The GPU ran the mark elapsed_time ms before the anchor, which it ran at host_anchor.
             leads.setdefault(name, []).append((host_anchor - host) / 1e6 - clock.elapsed_time(gpu_anchor))
-        if per_step:
-            return leads.get(SEGMENTS[-1], [])
-        return {name: statistics.median(values) for name, values in leads.items()}
+        return leads
 
     def _elapsed_ms(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)

@@ -158,10 +158,14 @@ def test_each_timed_steps_length_and_the_collectors_passes_while_timed(ticking_c
             gc.collect()  # in the warm-up: not counted
     result = timer.results()["compute"]
     assert result["steps_ms"] == [3000.0, 4000.0]
+    segments = [{"forward": 1000.0, "backward": 1000.0, "optimizer": 1000.0}]
+    assert result["step_segments_ms"] == segments + [{"forward": 2000.0, "backward": 1000.0, "optimizer": 1000.0}]
+    start, stop = result["wall_s"]
+    assert 0 < stop - start < 60  # the host's clock, in seconds since the epoch
     assert result["gc_passes"] == [0.0, 0.0, 1 / ARGS.steps]  # by generation
     assert result["gc_ms"] > 0
     assert timer._on_gc not in gc.callbacks  # unhooked when the phase stops
-    assert result["host_lead_ms"] == {}  # the CPU: one clock, no lead
+    assert result["host_lead_ms"] == {} and result["step_host_lead_ms"] == []  # the CPU: one clock, no lead
 
 
 class _Event:
@@ -180,7 +184,7 @@ def test_the_hosts_lead_is_how_long_after_queueing_a_mark_the_gpu_ran_it():
     # queued at 300 and ran at 400.5 (host 300.5) : 0.5 ms later, the GPU had caught up.
     clocks = [("forward", None, _Event(310.0)), ("backward", None, _Event(400.5))]
     leads = PhaseTimer._host_leads(clocks, (1000_000_000, _Event(1100.0)), [200_000_000, 300_000_000])
-    assert leads == pytest.approx({"forward": 10.0, "backward": 0.5})
+    assert {name: pytest.approx(values) for name, values in leads.items()} == {"forward": [10.0], "backward": [0.5]}
 
 
 def test_the_allocators_calls_are_counted_per_step_from_two_readings():
