@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from cli_args import at_least
-from emulated_tables import HOST_BOUND_MS
+from emulated_tables import ENGINE_BRACKETS, HOST_BOUND_MS
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,15 +58,19 @@ def install(tree: Path, target: Path) -> None:
 def summary(results: dict[str, list[dict]]) -> str:
     """Markdown: per tree, engine row, topology and scenario, the median (min-max) over its runs of
     the step, the compute-only step, that over the same run's plain step, and the host's lead at
-    the end of the backward; and how many runs were bound by the host (a lead under
-    HOST_BOUND_MS at the end of the backward), with the network on and compute-only."""
+    the end of the backward; how many runs were bound by the host (a lead under HOST_BOUND_MS at
+    the end of the backward), with the network on and compute-only; and the medians of the
+    compute stream's ms within the engine's calls, compute-only (ENGINE_BRACKETS): the in-place
+    profile an engine change is judged by."""
     lines = [
         "| tree | row | scenario | runs | step (ms) | compute-only (ms) | compute-only / plain "
-        "| host ahead at the end of backward (ms) | runs bound by the host: network / compute-only |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| host ahead at the end of backward (ms) | runs bound by the host: network / compute-only "
+        f"| compute-only, within the engine's calls: {' / '.join(ENGINE_BRACKETS)} (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tree, documents in results.items():
-        cells: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] = {}
+        cells: dict[tuple[str, str], list[tuple[float, ...]]] = {}
+        brackets: dict[tuple[str, str], list[dict[str, float]]] = {}
         for document in documents:
             plain = next((run["step_ms"] for run in document["runs"] if run["row"] == "plain"), math.nan)
             for run in document["runs"]:
@@ -77,12 +81,15 @@ def summary(results: dict[str, list[dict]]) -> str:
                     compute = run["compute"]["step_ms"]
                     figures = (run[scenario]["step_ms"], compute, compute / plain, lead, _backward_lead(run["compute"]))
                     cells.setdefault((row, scenario), []).append(figures)
+                    brackets.setdefault((row, scenario), []).append(run["compute"].get("brackets_ms") or {})
         for (row, scenario), figures in cells.items():
             columns = [[f[i] for f in figures if not math.isnan(f[i])] for i in range(5)]
             text = [_median_and_range(c, "{:.1f}") for c in columns[:2]]
             text += [_median_and_range(columns[2], "{:.3f}"), _median_and_range(columns[3], "{:.1f}")]
             bound = [f"{sum(lead < HOST_BOUND_MS for lead in c)} of {len(c)}" if c else "-" for c in columns[3:]]
-            cells_text = " | ".join([*text, " / ".join(bound)])
+            watched = [b for b in brackets[row, scenario] if b]
+            within = [_median_and_range([b.get(name, 0.0) for b in watched], "{:.2f}") for name in ENGINE_BRACKETS]
+            cells_text = " | ".join([*text, " / ".join(bound), " / ".join(within) if watched else "-"])
             lines.append(f"| {tree} | {row} | {scenario} | {len(figures)} | {cells_text} |")
     return "\n".join(lines)
 

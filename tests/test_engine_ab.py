@@ -26,20 +26,25 @@ def test_a_run_of_the_checkout_as_a_tree_writes_its_tables_json_and_summary(benc
 def test_the_summary_gives_each_rows_median_and_range_over_its_runs(benchmark_script):
     engine_ab = benchmark_script("engine_ab")
 
-    def run(step: float, compute: float, lead: float | None, compute_lead: float) -> dict:
+    def run(step: float, compute: float, lead: float | None, compute_lead: float, hooks: float | None = None) -> dict:
         network = {"step_ms": step, "host_lead_ms": {"backward": lead} if lead is not None else {}}
         compute_only = {"step_ms": compute, "host_lead_ms": {"backward": compute_lead}}
+        if hooks is not None:  # the engine watched: ms within its calls
+            compute_only["brackets_ms"] = {"weights": 3.5, "gradient hooks": hooks, "gradient finish": 1.0}
         return {"row": "sdp4bit", "topology": "nodes", "compute": compute_only, "eth100": network}
 
     plain = {"row": "plain", "topology": "", "step_ms": 140.0}
-    runs = ((150, 141, 40, 30), (190, 168, 0, 2), (156, 147, 30, 9.9))
+    runs = ((150, 141, 40, 30, 4.7), (190, 168, 0, 2, 4.4), (156, 147, 30, 9.9, 4.9))
     documents = [{"runs": [plain, run(*figures)]} for figures in runs]
     table = engine_ab.summary({"after": documents, "before": [{"runs": [run(160, 150, None, 20)]}]})
     after = (
         "| after | sdp4bit, nodes | eth100 | 3 | 156.0 (150.0-190.0) | 147.0 (141.0-168.0) | 1.050 (1.007-1.200) "
-        "| 30.0 (0.0-40.0) | 1 of 3 / 2 of 3 |"
+        "| 30.0 (0.0-40.0) | 1 of 3 / 2 of 3 "
+        "| 3.50 (3.50-3.50) / 4.70 (4.40-4.90) / 1.00 (1.00-1.00) / 0.00 (0.00-0.00) |"  # no stream waits: 0
     )
     assert after in table
-    before = "| before | sdp4bit, nodes | eth100 | 1 | 160.0 (160.0-160.0) | 150.0 (150.0-150.0) | - | - | - / 0 of 1 |"
-    assert before in table  # its document has no plain run and no network lead
+    before = (
+        "| before | sdp4bit, nodes | eth100 | 1 | 160.0 (160.0-160.0) | 150.0 (150.0-150.0) | - | - | - / 0 of 1 | - |"
+    )
+    assert before in table  # its document has no plain run, no network lead and no watch of the engine
     assert "| plain" not in table
