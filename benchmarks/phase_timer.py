@@ -292,27 +292,18 @@ class PhaseTimer:
             for name, begin, end in result.pop("bracket_clocks"):
                 brackets[name] = brackets.get(name, 0.0) + (ms(end) - ms(begin)) / self.steps
             result["brackets_ms"] = brackets
-            result["steps_ms"] = self._steps_ms(spans)
-            result["step_segments_ms"] = self._step_segments_ms(spans)
+            steps = self._step_segments_ms(spans)
+            result["step_segments_ms"] = steps
+            result["steps_ms"] = [sum(step.values()) for step in steps]  # the segments follow each other
             leads = self._host_leads(clocks, *result.pop("host_marks"))
             result["host_lead_ms"] = {name: statistics.median(values) for name, values in leads.items()}
             result["step_host_lead_ms"] = leads.get(SEGMENTS[-1], [])
         return self._done
 
     @staticmethod
-    def _steps_ms(spans: list[tuple[str, float, float]]) -> list[float]:
-        """Each step's length: from its first span's start to the end of its last segment."""
-        lengths, start = [], None
-        for name, begin, end in spans:
-            start = begin if start is None else start
-            if name == SEGMENTS[-1]:
-                lengths.append(end - start)
-                start = None
-        return lengths
-
-    @staticmethod
     def _step_segments_ms(spans: list[tuple[str, float, float]]) -> list[dict[str, float]]:
-        """Each step's segments (name -> ms): which part of a slow step was slow."""
+        """Each step's segments (name -> ms), its last ending the step: which part of a slow step
+        was slow. Each segment starts where the one before ended."""
         steps: list[dict[str, float]] = [{}]
         for name, begin, end in spans:
             steps[-1][name] = steps[-1].get(name, 0.0) + end - begin

@@ -207,14 +207,26 @@ class Bucket:
 
     def receive_grads(self, arrivals: list[tuple[int, Tensor]], accumulating: bool) -> None:
         """`receive_grad` for several (position, gradient) pairs at once: the same result, with one
-        multi-tensor copy for first arrivals and one add for the others instead of a launch per
-        parameter (a simulated job takes every rank's gradients this way)."""
+        concatenation when they are every parameter's first gradient of the window, else one
+        multi-tensor copy for first arrivals and one add for the others, instead of a launch per
+        parameter (a simulated job takes every rank's gradients this way, the synced backward
+        its held ones)."""
         if not arrivals:
             return
         fresh = [(p, g) for p, g in arrivals if p not in self.received]
         again = [(p, g) for p, g in arrivals if p in self.received]
         if self.grads is None:
             self._make_grads(accumulating)  # the window's first gradients
+            if not again and sorted(p for p, _ in fresh) == list(range(len(self.layout.slots))):
+                # The slots lie back to back from 0, so one concatenation writes them all. In the
+                # engine at 1.3B on the H200 this took the gradient hooks' compute-stream time
+                # from 4.68-4.91 to 4.35-4.58 ms a step (six runs each); alone, on freshly made
+                # tensors, it was the slower of the two (benchmarks/results/power_warmup_h200_2026-12-03.md).
+                by_position = dict(fresh)
+                ordered = [by_position[p].reshape(-1) for p in range(len(by_position))]
+                torch.cat(ordered, out=self.grads[: self.layout.used_numel])  # to fp32 exactly, if accumulating
+                self.received.update(by_position)
+                return
         elif again and self.grads.dtype != torch.float32:
             self.grads = self.grads.float()  # sums in fp32, as receive_grad takes them
         if fresh:
@@ -238,21 +250,8 @@ class Bucket:
             self.held[position] = grad
 
     def _receive_held(self) -> None:
-        if not self.held:
-            return
-        held, self.held = self.held, {}
-        slots = self.layout.slots
-        if self.grads is None and not self.received and len(held) == len(slots):
-            # Every parameter's first gradient: the slots lie back to back from 0, so one
-            # concatenation writes them all. In the engine at 1.3B on the H200 this took the
-            # gradient hooks' compute-stream time from 4.68-4.91 to 4.35-4.58 ms a step (six runs
-            # each); alone, on freshly made tensors, it was the slower of the two
-            # (benchmarks/results/power_warmup_h200_2026-12-03.md).
-            self._make_grads(accumulating=False)
-            used = self.grads[: self.layout.used_numel]
-            torch.cat([held[position].reshape(-1) for position in range(len(slots))], out=used)
-            self.received.update(held)
-        else:
+        if self.held:
+            held, self.held = self.held, {}
             self.receive_grads(list(held.items()), accumulating=False)
 
     def _view(self, position: int) -> Tensor:

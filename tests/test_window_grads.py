@@ -135,6 +135,20 @@ def test_a_bucket_whose_every_gradient_is_held_takes_them_in_with_one_concatenat
     assert taken.dtype == torch.bfloat16 and torch.equal(taken, expected)  # the padding zeros too
 
 
+@pytest.mark.parametrize("accumulating", [False, True])
+def test_every_first_gradient_at_once_is_one_concatenation_equal_to_receiving_each(accumulating):
+    batched, single = _bucket(torch.bfloat16), _bucket(torch.bfloat16)
+    arrivals = [(p, _grad(p, batched, p)) for p in (1, 2, 0)]
+    for position, grad in arrivals:
+        single.receive_grad(position, grad, accumulating)
+    with mock.patch.object(torch, "cat", wraps=torch.cat) as cats:
+        batched.receive_grads(arrivals, accumulating)
+    assert cats.call_count == 1 and batched.received == {0, 1, 2}
+    taken, expected = batched.take_grads(), single.take_grads()
+    assert taken.dtype == expected.dtype == (torch.float32 if accumulating else torch.bfloat16)
+    assert torch.equal(taken, expected)
+
+
 def test_a_second_gradient_for_a_held_position_is_added_in_fp32():
     bucket = _bucket(torch.bfloat16)
     first, other, second = _grad(0, bucket, 1), _grad(2, bucket, 2), _grad(0, bucket, 3)
