@@ -15,6 +15,7 @@ composes with torch.compile. `lightning_sdp4bit.ops` routes CUDA tensors here.
 | `weight_update_encode` | weight_update.py | master - weights -> quantize -> payload |
 | `weight_update_apply` | weight_update.py | payload -> dequantize -> add into the weights, in place |
 | `grad_encode` | grad_encode.py | Hadamard -> quantize -> payload in destination order |
+| `grad_encode_pieces` | grad_encode.py | the same, reading a bucket's gradients where they lie |
 | `grad_requantize` | grad_reduce.py | dequantize -> sum over peers -> re-quantize |
 | `grad_decode_sum` | grad_reduce.py | dequantize -> sum over peers -> inverse Hadamard -> shard |
 
@@ -24,14 +25,16 @@ without a GPU, the kernels run in Triton's interpreter when TRITON_INTERPRET=1 i
 Triton is imported (that is how CI tests them); otherwise they take CUDA tensors only.
 """
 
-from .grad_encode import grad_encode
+from .grad_encode import grad_encode, grad_encode_pieces, readable_in_place
 from .grad_reduce import grad_decode_sum, grad_requantize
 from .weight_update import weight_update_apply, weight_update_encode
 
 __all__ = [
     "grad_decode_sum",
     "grad_encode",
+    "grad_encode_pieces",
     "grad_requantize",
+    "readable_in_place",
     "weight_update_apply",
     "weight_update_encode",
 ]

@@ -11,6 +11,8 @@ Bytes per element: reads 4 (fp32 gradient) or 2 (bf16), writes bits/8 + 4/group.
 average is folded in (`scale`), so that no pass over the bucket has to divide it first.
 """
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -18,6 +20,7 @@ from lightning_sdp4bit.config import Rounding, check_bits
 from lightning_sdp4bit.reference.ops import payload_row_bytes
 
 from ._columns import (
+    INTERPRETING,
     hadamard_columns,
     load_columns,
     pack_columns,
@@ -42,12 +45,37 @@ from ._common import (
 )
 from ._launch import launch
 
-__all__ = ["grad_encode"]
+__all__ = ["grad_encode", "grad_encode_pieces", "readable_in_place"]
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
+def _piece_rows(table_ptr, pieces, at, live, SEARCH: tl.constexpr, ALIGN: tl.constexpr):
+    """Where the thread rows starting at bucket elements `at` [R] lie, as element offsets from
+    the first piece, and which of them lie in a piece at all (the rest read as 0).
+
+    The table is int64 [3, pieces]: each piece's first element in the bucket (ascending), its
+    end, and its offset from the first piece in elements. A branchless binary search of SEARCH
+    steps (pieces < 2^SEARCH) finds each row's piece: the last one starting at or before it.
+    """
+    piece = tl.zeros_like(at)
+    for step in tl.static_range(SEARCH):
+        probe = piece + (1 << (SEARCH - 1 - step))
+        inside = probe < pieces
+        start = tl.load(table_ptr + probe, mask=inside, other=0)
+        piece = tl.where(inside & (start <= at), probe, piece)
+    start = tl.load(table_ptr + piece)
+    end = tl.load(table_ptr + pieces + piece)
+    offset = tl.load(table_ptr + 2 * pieces + piece)
+    # Pieces start at multiples of 16 bytes and rows at multiples of T elements within them, so
+    # the 16-byte loads stay vectorized (the table's values are unknown to the compiler).
+    return tl.multiple_of(offset + at - start, ALIGN), live & (at >= start) & (at < end)
+
+
+@triton.jit(do_not_specialize=["seed", "pieces"])
 def _grad_encode_kernel(
-    grad_ptr,  # fp32 or bf16 [N], N = outer * chunks * S
+    grad_ptr,  # fp32 or bf16 [N], N = outer * chunks * S; with SEARCH, the first piece
+    table_ptr,  # with SEARCH: int64 [3, pieces], see _piece_rows (else unused)
+    pieces,
     words_ptr,  # the payload [chunks, row_bytes(outer * S)] viewed as int32 words
     scales_ptr,  # the same payload viewed as fp32
     payload_rows,  # outer * S // T: thread rows per payload row (chunk)
@@ -65,6 +93,8 @@ def _grad_encode_kernel(
     LOG2_H: tl.constexpr,  # Hadamard block 2^LOG2_H; 0 = no transform
     H_SCALE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    SEARCH: tl.constexpr,  # 0: grad_ptr holds the bucket; else its pieces are found in SEARCH steps
+    ALIGN: tl.constexpr,  # elements per 16 bytes
 ):
     # The grid is (tiles of a shard, shard): program (t, s) reads R thread rows of shard s =
     # [block, chunk] of the bucket viewed as [outer, chunks, S], and writes them as thread rows
@@ -75,7 +105,11 @@ def _grad_encode_kernel(
     chunk = shard % chunks
     in_shard = tl.program_id(0) * R + tl.arange(0, R)
     live = in_shard < shard_rows
-    x = scale_columns(load_columns(grad_ptr, (shard.to(tl.int64) * shard_rows + in_shard) * T, live, T), grad_scale, T)
+    at = (shard.to(tl.int64) * shard_rows + in_shard) * T  # the rows' first elements in the bucket
+    present = live  # rows read from memory; the others (outside every piece) are zeros
+    if SEARCH:
+        at, present = _piece_rows(table_ptr, pieces, at, live, SEARCH, ALIGN)
+    x = scale_columns(load_columns(grad_ptr, at, present, T), grad_scale, T)
     # The transform's 1/sqrt(H) is left to the quantizer, which saves it per element when rounding
     # is stochastic.
     x = hadamard_columns(x, R, T, LOG2_H, 1.0)
@@ -93,8 +127,11 @@ def _grad_encode_kernel(
     tl.store(scales_ptr + scale_at, scales, mask=heads < shard_rows)
 
 
-def _grad_encode(
-    grad: Tensor,
+def _encode(
+    source: Tensor,
+    table: Tensor,
+    pieces: int,
+    numel: int,
     outer: int,
     chunks: int,
     hadamard_size: int,
@@ -104,16 +141,21 @@ def _grad_encode(
     seed: int,
     scale: float,
 ) -> Tensor:
+    """The launch: the bucket of `numel` elements is `source` itself (pieces == 0) or the
+    `pieces` tensors of `table` (see _piece_rows), the first of which is `source`."""
     config = LaunchConfig(group_size, SPLIT_THREAD_ROW, rows_per_thread=2)
-    row_numel = grad.numel() // chunks
-    payload = torch.empty(chunks, payload_row_bytes(row_numel, bits, group_size), dtype=torch.uint8, device=grad.device)
+    row_numel = numel // chunks
+    row_bytes = payload_row_bytes(row_numel, bits, group_size)
+    payload = torch.empty(chunks, row_bytes, dtype=torch.uint8, device=source.device)
     T = config.thread_row
     shard_rows = row_numel // outer // T
     row_units, unit = row_length(payload)
     launch(
         _grad_encode_kernel,
         config.grid(shard_rows) + (outer * chunks,),
-        grad,
+        source,
+        table,
+        pieces,
         payload.view(torch.int32),
         payload.view(torch.float32),
         row_numel // T,
@@ -130,9 +172,26 @@ def _grad_encode(
         R=config.rows,
         STOCHASTIC=rounding == Rounding.STOCHASTIC.value,
         **hadamard_constants(hadamard_size),
+        SEARCH=pieces.bit_length(),
+        ALIGN=16 // source.element_size(),
         **config.options(),
     )
     return payload
+
+
+def _grad_encode(
+    grad: Tensor,
+    outer: int,
+    chunks: int,
+    hadamard_size: int,
+    bits: int,
+    group_size: int,
+    rounding: str,
+    seed: int,
+    scale: float,
+) -> Tensor:
+    args = (outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
+    return _encode(grad, grad, 0, grad.numel(), *args)
 
 
 _grad_encode_op = torch.library.custom_op("sdp4bit::grad_encode", _grad_encode, mutates_args=())
@@ -163,24 +222,156 @@ def grad_encode(
     group_size; scale: positive and finite. Equals `torch_grad_encode` byte for byte with nearest
     rounding. Raises ValueError, naming the parameter, for bad arguments.
     """
+    rounding = _check_encode(grad.numel(), "grad", outer, chunks, hadamard_size, bits, group_size, rounding, seed)
+    check_tensor("grad", grad, (torch.float32, torch.bfloat16), 1)
+    check_scale(scale)
+    return eager(_grad_encode_op, _grad_encode)(
+        grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, float(scale)
+    )
+
+
+def _check_encode(
+    numel: int, name: str, outer: int, chunks: int, hadamard_size: int, bits: int, group_size: int, rounding, seed: int
+) -> str:
+    """Check what both encoders take; returns the rounding's name."""
     check_bits("bits", bits)
     check_group_and_hadamard(group_size, hadamard_size)
     stochastic = check_rounding(rounding)
     check_seed(seed)
-    check_tensor("grad", grad, (torch.float32, torch.bfloat16), 1)
-    check_scale(scale)
-    for name, value in (("outer", outer), ("chunks", chunks)):
+    for what, value in (("outer", outer), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
     shards = outer * chunks
     if shards > MAX_GRID_Y:
         raise ValueError(f"outer x chunks must be at most {MAX_GRID_Y} shards, got {shards}")
-    if grad.numel() == 0 or grad.numel() % (shards * group_size):
+    if numel <= 0 or numel % (shards * group_size):
         raise ValueError(
-            f"grad has {grad.numel()} elements: it must split into outer x chunks = {shards} shards "
+            f"{name} has {numel} elements: it must split into outer x chunks = {shards} shards "
             f"of whole groups of group_size={group_size}"
         )
-    rounding = (Rounding.STOCHASTIC if stochastic else Rounding.NEAREST).value
-    return eager(_grad_encode_op, _grad_encode)(
-        grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, float(scale)
+    return (Rounding.STOCHASTIC if stochastic else Rounding.NEAREST).value
+
+
+# ------------------------------------------------------------------------------------------------
+# The bucket in pieces: the gradients where autograd left them, read in place.
+
+_MAX_TABLES = 1024  # past this many the cache starts over (pieces that move every step)
+_tables: dict[tuple, Tensor] = {}  # (device, stream, table values) -> the table on the device
+
+
+def readable_in_place(pieces: Sequence[Tensor], starts: Sequence[int]) -> bool:
+    """Whether `grad_encode_pieces` can read these pieces where they lie: each contiguous,
+    starting at a multiple of 16 bytes, and starting and ending on thread rows (multiples of
+    16 elements in the bucket), all of one dtype, fp32 or bf16. (A GPT's parameters are; a
+    gradient that is not can be copied into a buffer first.)"""
+    T = SPLIT_THREAD_ROW
+    return bool(pieces) and all(
+        piece.dtype == pieces[0].dtype in (torch.float32, torch.bfloat16)
+        and piece.is_contiguous()
+        and piece.data_ptr() % 16 == 0
+        and start % T == 0
+        and piece.numel() % T == 0
+        for piece, start in zip(pieces, starts, strict=True)
+    )
+
+
+def _piece_table(pieces: Sequence[Tensor], starts: Sequence[int]) -> Tensor:
+    """The int64 table [3, pieces] of `_piece_rows` on the pieces' device. Autograd's
+    gradients come back at the same addresses step after step (the caching allocator replays
+    the same requests), so a table made once is used again, with no copy from the host; one is
+    kept per stream, which orders its copy before every kernel that reads it."""
+    base, size = pieces[0].data_ptr(), pieces[0].element_size()
+    values = (
+        *starts,
+        *(start + piece.numel() for piece, start in zip(pieces, starts, strict=True)),
+        *((piece.data_ptr() - base) // size for piece in pieces),
+    )
+    device = pieces[0].device
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, values)
+    table = _tables.get(key)
+    if table is None:
+        if len(_tables) >= _MAX_TABLES:
+            _tables.clear()
+        table = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":  # from pinned memory: the host does not wait for the copy
+            table = table.pin_memory().to(device, non_blocking=True)
+        _tables[key] = table
+    return table
+
+
+def _grad_encode_pieces(
+    pieces: list[Tensor],
+    starts: list[int],
+    numel: int,
+    outer: int,
+    chunks: int,
+    hadamard_size: int,
+    bits: int,
+    group_size: int,
+    rounding: str,
+    seed: int,
+    scale: float,
+) -> Tensor:
+    # Checked here, where compiled code runs too: addresses are not known while tracing.
+    if not readable_in_place(pieces, starts):
+        raise ValueError(
+            f"pieces must be readable in place: contiguous, of one dtype (fp32 or bf16), at 16-byte "
+            f"addresses, with starts and sizes multiples of {SPLIT_THREAD_ROW} elements"
+        )
+    args = (outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
+    return _encode(pieces[0], _piece_table(pieces, starts), len(pieces), numel, *args)
+
+
+_grad_encode_pieces_op = torch.library.custom_op("sdp4bit::grad_encode_pieces", _grad_encode_pieces, mutates_args=())
+
+
+@_grad_encode_pieces_op.register_fake
+def _(pieces, starts, numel, outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale):
+    row_numel = numel // chunks
+    return pieces[0].new_empty(chunks, payload_row_bytes(row_numel, bits, group_size), dtype=torch.uint8)
+
+
+def grad_encode_pieces(
+    pieces: Sequence[Tensor],
+    starts: Sequence[int],
+    numel: int,
+    outer: int,
+    chunks: int,
+    hadamard_size: int,
+    bits: int,
+    group_size: int,
+    rounding: Rounding | str,
+    seed: int,
+    scale: float = 1.0,
+) -> Tensor:
+    """`grad_encode` of a bucket of `numel` elements given in pieces: elements starts[i] to
+    starts[i] + pieces[i].numel() are pieces[i] (any shape, flattened), ascending and not
+    overlapping; every other element is 0. The pieces are read where they lie, with no copy into
+    one buffer: they must be `readable_in_place`. Equals `grad_encode` of the assembled bucket
+    byte for byte, with either rounding. Raises ValueError, naming the parameter, for bad
+    arguments.
+    """
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise ValueError(f"numel must be an integer, got {numel!r}")
+    rounding = _check_encode(numel, "the bucket", outer, chunks, hadamard_size, bits, group_size, rounding, seed)
+    check_scale(scale)
+    pieces, starts = list(pieces), [int(start) for start in starts]
+    if len(pieces) != len(starts) or not pieces:
+        raise ValueError(
+            f"pieces and starts must be as long as each other and not empty, got {len(pieces)} and {len(starts)}"
+        )
+    end = 0
+    for index, (piece, start) in enumerate(zip(pieces, starts, strict=True)):
+        if not isinstance(piece, Tensor) or piece.device != pieces[0].device:
+            raise ValueError(f"pieces[{index}] must be a tensor on {pieces[0].device}")
+        if start < end:
+            raise ValueError(f"starts must ascend, no piece overlapping the next: starts[{index}] = {start} < {end}")
+        end = start + piece.numel()
+    if end > numel:
+        raise ValueError(f"the last piece ends at element {end}, past numel = {numel}")
+    if not (pieces[0].is_cuda or INTERPRETING):
+        raise ValueError(f"pieces must be CUDA tensors (or run with TRITON_INTERPRET=1), got {pieces[0].device}")
+    return eager(_grad_encode_pieces_op, _grad_encode_pieces)(
+        pieces, starts, numel, outer, chunks, hadamard_size, bits, group_size, rounding, seed, float(scale)
     )

@@ -13,9 +13,9 @@ Per bucket (N = W * S elements):
 - window gradients: [N], what one optimizer step reduce-scatters. In the module's dtype when one
   backward gives each gradient (as DDP's buckets), in fp32 when micro-batches are summed. They
   exist from the bucket's first gradient of a window until its exchange takes them (in the
-  synced backward the bucket holds the parameters' own gradients until then and copies them in
-  at once, `Bucket.hold_grad`), so that during backward only the buckets between those two
-  moments hold any (the peak is the start of backward, when none do yet);
+  synced backward the bucket holds the parameters' own gradients until then, `Bucket.hold_grad`,
+  and the compressed exchange reads them where they lie, `HeldGrads`), so that during backward
+  only the buckets between those two moments hold any (the peak is the start of backward, when none do yet);
 - master shard, gradient shard: [S] fp32 each;
 - applied shard: [S] in the module's dtype, the weight shard as the last exchange left it.
 """
@@ -34,6 +34,7 @@ __all__ = [
     "Bucket",
     "BucketLayout",
     "Fragment",
+    "HeldGrads",
     "ParamSlot",
     "allocate_buckets",
     "as_words",
@@ -110,6 +111,17 @@ class BucketLayout:
             if start < end:
                 out.append(Fragment(slot.name, self.index, start - slot.start, start - lo, end - start))
         return out
+
+
+@dataclass(frozen=True)
+class HeldGrads:
+    """A bucket's window gradients where autograd left them (`Bucket.take_grads(in_place=True)`):
+    grads[i] fills elements starts[i] to starts[i] + grads[i].numel() of the bucket's `numel`
+    (N), in bucket order; every other element is 0."""
+
+    numel: int
+    starts: list[int]
+    grads: list[Tensor]
 
 
 def plan_buckets(
@@ -259,10 +271,17 @@ class Bucket:
         assert self.grads is not None
         return self.grads[slot.start : slot.start + slot.numel].view(slot.shape)
 
-    def take_grads(self) -> Tensor:
+    def take_grads(self, in_place: bool = False) -> Tensor | HeldGrads:
         """The window gradients [N] for the exchange, zero where a parameter got none (its slot
         still holds whatever the allocator gave); the bucket lets go of them (`received` stays
-        until the next window)."""
+        until the next window). With `in_place`, when every gradient of the window is held (none
+        was put in `grads`), those gradients as they lie: the exchange reads them there, with no
+        copy into the bucket (at 1.3B on 2 x 4 H200s the copies took 1.45 ms a step)."""
+        if in_place and self.grads is None and self.held:
+            held, self.held = self.held, {}
+            self.received.update(held)
+            order = sorted(held)
+            return HeldGrads(self.layout.numel, [self.layout.slots[p].start for p in order], [held[p] for p in order])
         self._receive_held()
         grads = self.grads
         if grads is None:

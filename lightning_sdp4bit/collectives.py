@@ -3,7 +3,8 @@ gradient side of them (the weight side is `lightning_sdp4bit.weight_collectives`
 
 - `GradReduceScatter.start(bucket, grads, scale, step)`: from the window gradients [N] (fp32 or
   the weights' dtype, summed over ranks after multiplying by `scale` = 1/world in fp32) to this
-  rank's gradient shard [S], fp32. The exchange owns `grads` from then on.
+  rank's gradient shard [S], fp32. The exchange owns `grads` from then on. Where it
+  `reads_in_place`, `grads` may also be the parameters' gradients as they lie (`HeldGrads`).
 - `WeightAllGather.start(bucket, step)`: from this rank's master shard [S] to the model weights
   [N] every rank holds.
 
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_sdp4bit import comm, ops
-from lightning_sdp4bit.buffers import Bucket
+from lightning_sdp4bit.buffers import Bucket, HeldGrads
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.reference.ops import stage_seed
 from lightning_sdp4bit.stats import WireMeter
@@ -64,7 +65,9 @@ class Pending(Protocol):
 
 
 class GradReduceScatter(Protocol):
-    def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending: ...
+    reads_in_place: bool  # whether `start` takes HeldGrads
+
+    def start(self, bucket: Bucket, grads: torch.Tensor | HeldGrads, scale: float, step: int) -> Pending: ...
 
 
 class WeightAllGather(Protocol):
@@ -148,6 +151,8 @@ class PlainGradReduceScatter:
     """fp32 reduce-scatter: the uncompressed path. Over the world, or in two levels when there are
     several nodes of several ranks (`_TwoLevelReduceScatter`)."""
 
+    reads_in_place = False  # fp32 reduce-scatters read one buffer
+
     def __init__(
         self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None = None
     ):
@@ -229,12 +234,16 @@ class TwoLevelGradReduceScatter:
         self.seeds = Seeds(config, rank)
         self.stream = stream
 
-    def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
+    reads_in_place = True  # stage 1 reads the gradients where they lie (grad_encode_pieces)
+
+    def start(self, bucket: Bucket, grads: torch.Tensor | HeldGrads, scale: float, step: int) -> Pending:
         return _TwoLevelExchange(self, bucket, grads, scale, step)
 
 
 class _TwoLevelExchange(TwoStage):
-    def __init__(self, owner: TwoLevelGradReduceScatter, bucket: Bucket, grads: torch.Tensor, scale: float, step: int):
+    def __init__(
+        self, owner: TwoLevelGradReduceScatter, bucket: Bucket, grads: torch.Tensor | HeldGrads, scale: float, step: int
+    ):
         config, topo = owner.config, owner.topology
         self._owner, self._bucket, self._step = owner, bucket, step
         intra = topo.has_intra_stage
@@ -242,15 +251,18 @@ class _TwoLevelExchange(TwoStage):
         # Intra first: the bucket as [nodes, local, S] goes out by local index; inter only: by node.
         outer, chunks = (topo.nodes, topo.ranks_per_node) if intra else (1, topo.nodes)
         seed = owner.seeds(step, bucket, Stage.GRAD_ENCODE)
-        payload = ops.grad_encode(
-            grads, outer, chunks, config.hadamard_size, self._bits, config.grad_group_size, config.rounding, seed, scale
-        )
+        args = (outer, chunks, config.hadamard_size, self._bits, config.grad_group_size, config.rounding, seed, scale)
+        if isinstance(grads, HeldGrads):
+            payload = ops.grad_encode_pieces(grads.grads, grads.starts, grads.numel, *args)
+        else:
+            payload = ops.grad_encode(grads, *args)
         self._received = torch.empty_like(payload)
         group = owner.groups.intra if intra else owner.groups.inter
         self._work = comm.all_to_all(self._received, payload, group=group, async_op=True)
         self._sent = payload  # kept alive until the exchange completes
         kind = "grad_intra" if intra else "grad_inter"
-        owner.meter.record(kind, payload.nbytes, grads.numel(), 4 * grads.numel())  # vs fp32
+        numel = bucket.layout.numel
+        owner.meter.record(kind, payload.nbytes, numel, 4 * numel)  # vs fp32
         self._begin(owner.stream, two_stages=topo.two_level)
 
     def _second_stage(self) -> None:

@@ -291,10 +291,10 @@ class ShardedEngine:
                 record.master.grad = None
 
     def _start_grad_exchange(self, index: int) -> Pending:
-        bucket = self.buckets[index]
+        bucket, collective = self.buckets[index], self.grad_collectives[index]
         with torch.no_grad():
-            grads = bucket.take_grads()
-            return self.grad_collectives[index].start(bucket, grads, 1.0 / self.topology.world_size, self.step)
+            grads = bucket.take_grads(in_place=collective.reads_in_place)
+            return collective.start(bucket, grads, 1.0 / self.topology.world_size, self.step)
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduce-scatter, decide the step, and hand the gradient shards to

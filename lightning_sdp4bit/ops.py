@@ -10,6 +10,7 @@ on each path, so the two paths are each reproducible but not equal to each other
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -20,6 +21,7 @@ __all__ = [
     "check_kernel_limits",
     "grad_decode_sum",
     "grad_encode",
+    "grad_encode_pieces",
     "grad_requantize",
     "kernels_available",
     "weight_update_apply",
@@ -102,6 +104,32 @@ def grad_encode(
 
         return kernel(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
     return reference.torch_grad_encode(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
+
+
+def grad_encode_pieces(
+    pieces: Sequence[Tensor],
+    starts: Sequence[int],
+    numel: int,
+    outer: int,
+    chunks: int,
+    hadamard_size: int,
+    bits: int,
+    group_size: int,
+    rounding: Rounding,
+    seed: int,
+    scale: float = 1.0,
+) -> Tensor:
+    """`grad_encode` of a bucket given in pieces (the gradients where autograd left them; zero
+    elsewhere), read in place where the kernel can (`readable_in_place`), else copied into one
+    buffer first."""
+    args = (outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
+    if _on_kernels(pieces[0]):
+        from lightning_sdp4bit import kernels
+
+        if kernels.readable_in_place(pieces, starts):
+            return kernels.grad_encode_pieces(pieces, starts, numel, *args)
+        return kernels.grad_encode(reference.assemble_pieces(pieces, starts, numel), *args)
+    return reference.torch_grad_encode_pieces(pieces, starts, numel, *args)
 
 
 def grad_requantize(

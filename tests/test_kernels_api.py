@@ -13,6 +13,7 @@ Checks:
 - on CUDA, `lightning_sdp4bit.ops` dispatches to these kernels.
 """
 
+import importlib
 import math
 
 import pytest
@@ -58,6 +59,10 @@ def _bad_calls():
     req = kernels.grad_requantize
     dec = kernels.grad_decode_sum
     out = torch.empty(256, device=DEVICE)
+
+    def pieces(grads, starts, numel, scale=1.0):
+        return kernels.grad_encode_pieces(grads, starts, numel, 2, 2, 32, 8, 128, "nearest", 0, scale)
+
     return [
         ("bits", lambda: enc(MASTER, w, 3, 128, "nearest", 0)),
         ("group_size", lambda: enc(MASTER, w, 4, 48, "nearest", 0)),
@@ -88,6 +93,18 @@ def _bad_calls():
         ("out", lambda: dec(PAYLOAD8, 8, 128, 32, out[:128])),
         ("out", lambda: dec(PAYLOAD8, 8, 128, 32, out.double())),
         ("hadamard_size", lambda: dec(PAYLOAD8, 8, 128, 100, out)),
+        ("numel", lambda: pieces([MASTER], [0], 256.0)),
+        ("the bucket", lambda: pieces([MASTER], [0], 200)),
+        ("pieces and starts", lambda: pieces([MASTER], [0, 16], 512)),
+        ("starts must ascend", lambda: pieces([MASTER[:32], MASTER[:32]], [32, 48], 512)),
+        ("past numel", lambda: pieces([MASTER], [384], 512)),
+        ("pieces\\[1\\] must be a tensor", lambda: pieces([MASTER[:32], [0.0] * 32], [0, 32], 512)),
+        ("readable in place", lambda: pieces([MASTER[:32], MASTER[32:64].bfloat16()], [0, 32], 512)),
+        ("readable in place", lambda: pieces([MASTER[:40]], [0], 512)),
+        ("readable in place", lambda: pieces([MASTER[:32]], [8], 512)),
+        ("readable in place", lambda: pieces([MASTER[2:34]], [0], 512)),  # 8 bytes into a buffer
+        ("readable in place", lambda: pieces([MASTER[:64].view(8, 8).t()], [0], 512)),
+        ("scale", lambda: pieces([MASTER], [0], 512, scale=-1.0)),
     ]
 
 
@@ -157,13 +174,15 @@ def _pipeline(master, weights, grad):
     update = kernels.weight_update_encode(master, weights, 4, 128, "nearest", 0)
     weights = kernels.weight_update_apply(update, weights, 4, 128, True)
     stage1 = kernels.grad_encode(grad, 2, 2, 32, 8, 128, "nearest", 0)
+    in_place = kernels.grad_encode_pieces([grad[512:], grad[:512]], [0, 512], 1024, 2, 2, 32, 8, 128, "nearest", 0)
     stage2 = kernels.grad_requantize(stage1, 8, 4, 128, 2, "nearest", 0)
     shard = kernels.grad_decode_sum(stage2, 4, 128, 32, torch.empty(256, device=grad.device))
-    return update, weights, stage1, stage2, shard
+    return update, weights, stage1, in_place, stage2, shard
 
 
 def test_ops_are_custom_ops_that_compile_in_one_graph():
-    for name in ("weight_update_encode", "weight_update_apply", "grad_encode", "grad_requantize", "grad_decode_sum"):
+    names = ("weight_update_encode", "weight_update_apply", "grad_encode", "grad_encode_pieces", "grad_requantize")
+    for name in (*names, "grad_decode_sum"):
         assert hasattr(torch.ops.sdp4bit, name)
     master, grad = _randn(256, seed=1), _randn(1024, seed=2)
     weights = (master + 0.01 * _randn(256, seed=4)).bfloat16()
@@ -182,6 +201,38 @@ def test_dispatch_sends_cuda_tensors_to_the_kernels(monkeypatch):
     grad = _randn(1024)
     payload = dispatch.grad_encode(grad, 2, 2, 32, 8, 128, "nearest", 0)
     assert calls and torch.equal(payload, original(grad, 2, 2, 32, 8, 128, "nearest", 0))
+
+
+def test_a_piece_table_is_made_once_for_pieces_lying_where_they_lay_before(monkeypatch):
+    """The table of where the pieces lie is kept, keyed by its values: the same layout again (as
+    autograd's gradients come back step after step) takes no new table, a new layout one."""
+    module = importlib.import_module("lightning_sdp4bit.kernels.grad_encode")  # the package's name is the function
+    monkeypatch.setattr(module, "_tables", {})
+    grad = _randn(1024, seed=3)
+    args = (2, 2, 32, 8, 128, "nearest", 0)
+    swapped = kernels.grad_encode_pieces([grad[512:], grad[:512]], [0, 512], 1024, *args)
+    assert len(module._tables) == 1
+    again = kernels.grad_encode_pieces([grad[512:], grad[:512]], [0, 512], 1024, *args)
+    assert len(module._tables) == 1 and torch.equal(again, swapped)
+    in_order = kernels.grad_encode_pieces([grad[:512], grad[512:]], [0, 512], 1024, *args)
+    assert len(module._tables) == 2 and torch.equal(in_order, kernels.grad_encode(grad, *args))
+    assert not torch.equal(in_order, swapped)
+
+
+@pytest.mark.gpu
+def test_dispatch_reads_pieces_in_place_where_it_can_and_assembles_them_where_not(monkeypatch):
+    calls = []
+    original = kernels.grad_encode_pieces
+    monkeypatch.setattr(kernels, "grad_encode_pieces", lambda *args: calls.append(args) or original(*args))
+    grad = _randn(1024, seed=5)
+    args = (2, 2, 32, 8, 128, "nearest", 0)
+    expected = kernels.grad_encode(grad, *args)
+    assert torch.equal(dispatch.grad_encode_pieces([grad[:512], grad[512:]], [0, 512], 1024, *args), expected)
+    assert len(calls) == 1
+    odd = grad[8:1016].clone()  # 1008 elements: not whole thread rows of 16 from element 8
+    expected = kernels.grad_encode(torch.nn.functional.pad(odd, (8, 8)), *args)
+    assert torch.equal(dispatch.grad_encode_pieces([odd], [8], 1024, *args), expected)
+    assert len(calls) == 1
 
 
 def test_configs_beyond_the_kernels_are_refused_before_launch():

@@ -124,6 +124,38 @@ def test_grad_encode_folds_the_average_in_as_the_reference_does(scale, dtype):
     assert torch.equal(expected, _spec(reference.torch_grad_encode, grad.float() * scale, *args))
 
 
+# (outer, chunks, shard S, piece sizes in bucket order (None: a slot that got no gradient), dtype)
+PIECES_CASES = [
+    (2, 4, 384, [1024, None, 16, 48, 1008], torch.bfloat16),  # a missing slot and padding
+    (1, 2, 2048, [2048, 1536, 32], torch.float32),  # pieces straddle the shards
+    (2, 2, 128 * 33, [16] * 9 + [16720], torch.bfloat16),  # 10 pieces (4 search steps), 3 programs a shard
+]
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("outer, chunks, shard, sizes, dtype", PIECES_CASES)
+def test_grad_encode_of_pieces_gives_the_bytes_of_the_assembled_bucket(rounding, outer, chunks, shard, sizes, dtype):
+    """Read where they lie (allocated last to first, so some lie below the first piece, and
+    with a slot between them that got no gradient), the pieces encode to the bytes of the bucket
+    they make up, stochastic noise included: the noise is keyed by the payload's elements."""
+    starts, pieces, at = [], [], 0
+    for size in sizes:
+        if size is not None:
+            starts.append(at)
+            pieces.append(size)
+        at += size or 64
+    made = {index: _gradient_like(size, 20 + index, dtype) for index, size in reversed(list(enumerate(pieces)))}
+    pieces = [made[index] for index in range(len(pieces))]
+    numel = outer * chunks * shard
+    args = (outer, chunks, 32, 4, 128, rounding, 9, 1 / 6)
+    bucket = reference.assemble_pieces(pieces, starts, numel)
+    assert bucket[at:].eq(0).all() and bucket.ne(0).any()
+    assert torch.equal(kernels.grad_encode_pieces(pieces, starts, numel, *args), kernels.grad_encode(bucket, *args))
+    if rounding == "nearest":
+        expected = _spec(reference.torch_grad_encode_pieces, pieces, starts, numel, *args)
+        assert torch.equal(kernels.grad_encode_pieces(pieces, starts, numel, *args), expected)
+
+
 # (in_bits, out_bits, group_size, peers P, outer, shard numel S)
 REQUANTIZE_CASES = [
     (8, 4, 128, 4, 2, 256),  # the paper's stage 2

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
+from lightning_sdp4bit.buffers import HeldGrads, allocate_buckets, plan_buckets
+from lightning_sdp4bit.reference.ops import assemble_pieces
 
 SHAPES = {"a": (3, 5), "b": (7,), "c": (2, 2)}
 
@@ -207,3 +208,62 @@ def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in
         assert calls == {"receive_grad": params, "receive_grads": buckets}
         assert all(bucket.received == set(range(len(bucket.params))) for bucket in engine.buckets)
         engine.close()
+
+
+def test_a_bucket_whose_every_gradient_is_held_hands_them_over_where_they_lie():
+    held, received = _bucket(torch.bfloat16), _bucket(torch.bfloat16)
+    grads = {p: _grad(p, held, p) for p in (2, 0)}  # backward order; position 1 gets none
+    for position, grad in grads.items():
+        held.hold_grad(position, grad)
+        received.receive_grad(position, grad, accumulating=False)
+    with mock.patch.object(torch, "cat", wraps=torch.cat) as cats:
+        taken = held.take_grads(in_place=True)
+    assert isinstance(taken, HeldGrads) and cats.call_count == 0 and held.grads is None
+    assert taken.grads[0] is grads[0] and taken.grads[1] is grads[2]  # no copy, in bucket order
+    assert taken.starts == [held.layout.slots[0].start, held.layout.slots[2].start]
+    assert taken.numel == held.layout.numel and held.held == {} and held.received == {0, 2}
+    assert torch.equal(assemble_pieces(taken.grads, taken.starts, taken.numel), received.take_grads())
+
+
+def test_gradients_already_in_the_bucket_are_taken_as_one_buffer_even_in_place():
+    bucket = _bucket(torch.bfloat16)
+    bucket.receive_grad(1, _grad(1, bucket, 7), accumulating=True)  # an earlier micro-batch
+    bucket.hold_grad(0, _grad(0, bucket, 0))
+    taken = bucket.take_grads(in_place=True)
+    assert isinstance(taken, torch.Tensor) and taken.dtype == torch.float32 and bucket.received == {0, 1}
+
+
+def test_the_compressed_exchange_reads_held_gradients_in_place_with_the_bytes_of_one_buffer(
+    benchmark_script, monkeypatch
+):
+    """Wiring: in the synced backward the two-level exchange gets each bucket's gradients where
+    they lie (no concatenation) and reduces them to the same gradient shards, bit for bit, as
+    when it reads them from the bucket's buffer."""
+    from lightning_sdp4bit.collectives import TwoLevelGradReduceScatter
+    from lightning_sdp4bit.config import SDP4BitConfig
+    from lightning_sdp4bit.engine import ShardedEngine
+    from lightning_sdp4bit.topology import Topology
+
+    network_module = benchmark_script("emulation")
+    topology = Topology(0, 8, 4)
+
+    def shards(in_place):
+        monkeypatch.setattr(TwoLevelGradReduceScatter, "reads_in_place", in_place)
+        network = network_module.Network(torch.device("cpu"), topology, "own")
+        with network.install():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+            config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=4, bucket_numel=64 * 64 + 64)
+            engine = ShardedEngine(model, config, topology, network.groups())
+            engine.before_backward()
+            with mock.patch.object(torch, "cat", wraps=torch.cat) as cats:
+                model(torch.randn(8, 64)).square().mean().backward()
+                engine.finish_grad_sync()
+            result = [bucket.grad_shard.clone() for bucket in engine.buckets]
+            engine.close()
+        return result, cats.call_count
+
+    (in_place, in_place_cats), (buffered, buffered_cats) = shards(True), shards(False)
+    assert in_place_cats == 0 and buffered_cats == len(buffered) == 2
+    assert all(torch.equal(a, b) for a, b in zip(in_place, buffered, strict=True))
+    assert any(shard.abs().sum() > 0 for shard in in_place)

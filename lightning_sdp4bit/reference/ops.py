@@ -23,6 +23,8 @@ S = shard size, bucket numel N = W*S):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -31,12 +33,14 @@ from lightning_sdp4bit.reference.hadamard import butterflies, hadamard_scale
 from lightning_sdp4bit.reference.quantize import pack_into, round_groups, uniform_noise, unpack_codes
 
 __all__ = [
+    "assemble_pieces",
     "decode_rows",
     "encode_rows",
     "payload_row_bytes",
     "stage_seed",
     "torch_grad_decode_sum",
     "torch_grad_encode",
+    "torch_grad_encode_pieces",
     "torch_grad_requantize",
     "torch_weight_update_apply",
     "torch_weight_update_encode",
@@ -208,6 +212,34 @@ def torch_grad_encode(
         out=rows.view(chunks, outer, shard).transpose(0, 1),
     )
     return _encode(rows, bits, group_size, rounding, seed, scratch=rows)
+
+
+def assemble_pieces(pieces: Sequence[Tensor], starts: Sequence[int], numel: int) -> Tensor:
+    """The bucket [numel] whose elements starts[i] to starts[i] + pieces[i].numel() are
+    pieces[i] (flattened; ascending, not overlapping) and whose other elements are 0, in the
+    pieces' dtype."""
+    out = pieces[0].new_zeros(numel)
+    for piece, start in zip(pieces, starts, strict=True):
+        out[start : start + piece.numel()].copy_(piece.reshape(-1))
+    return out
+
+
+def torch_grad_encode_pieces(
+    pieces: Sequence[Tensor],
+    starts: Sequence[int],
+    numel: int,
+    outer: int,
+    chunks: int,
+    hadamard_size: int,
+    bits: int,
+    group_size: int,
+    rounding: Rounding | str,
+    seed: int,
+    scale: float = 1.0,
+) -> Tensor:
+    """`torch_grad_encode` of the bucket given in pieces (`assemble_pieces`)."""
+    grad = assemble_pieces(pieces, starts, numel)
+    return torch_grad_encode(grad, outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
 
 
 def torch_grad_requantize(
