@@ -1,9 +1,10 @@
-"""Triton kernels of the five fused compression ops, installed as `lightning_sdp4bit.kernels`.
+"""Triton kernels of the five fused compression ops and of the weight-edit check, installed as
+`lightning_sdp4bit.kernels`.
 
 Each public function takes the arguments of its twin `torch_<name>` in
 `lightning_sdp4bit.reference.ops` and returns the same bytes with nearest rounding (stochastic
 rounding draws its own seeded noise from an integer hash, so it matches the reference in
-distribution only).
+distribution only; `absorb_weight_edits` does no rounding and equals its twin bit for bit).
 "The same bytes" means those of the reference run on the CPU: its `absmax / qmax` is an IEEE
 division there, while PyTorch's CUDA kernels divide by a Python number through its rounded
 reciprocal, which can differ by an ulp; the kernels divide exactly.
@@ -18,6 +19,7 @@ composes with torch.compile. `lightning_sdp4bit.ops` routes CUDA tensors here.
 | `grad_encode_pieces` | grad_encode.py | the same, reading a bucket's gradients where they lie |
 | `grad_requantize` | grad_reduce.py | dequantize -> sum over peers -> re-quantize |
 | `grad_decode_sum` | grad_reduce.py | dequantize -> sum over peers -> inverse Hadamard -> shard |
+| `absorb_weight_edits` | weight_edits.py | weights != applied -> fp32 weights into the master, only there |
 
 Importing this package raises ImportError where Triton is missing, so that
 `lightning_sdp4bit.ops.kernels_available()` is False there and the reference runs. On a machine
@@ -27,9 +29,11 @@ Triton is imported (that is how CI tests them); otherwise they take CUDA tensors
 
 from .grad_encode import grad_encode, grad_encode_pieces, readable_in_place
 from .grad_reduce import grad_decode_sum, grad_requantize
+from .weight_edits import absorb_weight_edits
 from .weight_update import weight_update_apply, weight_update_encode
 
 __all__ = [
+    "absorb_weight_edits",
     "grad_decode_sum",
     "grad_encode",
     "grad_encode_pieces",

@@ -1,5 +1,6 @@
 """What the five compression kernels share besides their jit helpers (those are in `_columns`):
-the launch settings, the argument checks and the payload views.
+the launch settings, the argument checks and the payload views (the weight-edit check uses the
+argument checks and `eager`).
 """
 
 import functools

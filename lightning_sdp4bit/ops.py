@@ -1,6 +1,7 @@
 """The one dispatch point between the reference ops and the Triton kernels.
 
-The engine calls only these five functions. Each takes the arguments of its reference twin in
+The engine calls only these six functions: the five compression ops and the weight-edit check
+(`absorb_weight_edits`). Each takes the arguments of its reference twin in
 `lightning_sdp4bit.reference.ops` (see there for shapes and the payload format) and runs the
 Triton kernel for CUDA tensors when Triton is importable, else the reference. Both produce the
 same bytes with nearest rounding; stochastic rounding draws its noise from a different generator
@@ -12,12 +13,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from lightning_sdp4bit.config import Rounding, SDP4BitConfig
 from lightning_sdp4bit.reference import ops as reference
 
 __all__ = [
+    "absorb_weight_edits",
     "check_kernel_limits",
     "grad_decode_sum",
     "grad_encode",
@@ -27,6 +30,8 @@ __all__ = [
     "weight_update_apply",
     "weight_update_encode",
 ]
+
+_EDIT_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # absorb_weight_edits' kernel's
 
 
 @functools.cache
@@ -150,3 +155,15 @@ def grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: 
 
         return kernel(payload, bits, group_size, hadamard_size, out)
     return reference.torch_grad_decode_sum(payload, bits, group_size, hadamard_size, out)
+
+
+def absorb_weight_edits(weights: Tensor, applied: Tensor, master: Tensor) -> Tensor:
+    """Where the weights [S] differ from what the exchange left (`applied`), their fp32 values into
+    the master shard [S], in place; one pass, no host synchronisation."""
+    # Other weight dtypes (fp64) take the reference: the engine does not limit the module's dtype
+    # where weights are not compressed, and the reference takes any.
+    if _on_kernels(weights) and weights.dtype in _EDIT_KERNEL_DTYPES:
+        from lightning_sdp4bit.kernels import absorb_weight_edits as kernel
+
+        return kernel(weights, applied, master)
+    return reference.torch_absorb_weight_edits(weights, applied, master)

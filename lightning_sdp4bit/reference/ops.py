@@ -1,4 +1,5 @@
-"""Reference twins of the five fused compression ops, and the wire format they share.
+"""Reference twins of the five fused compression ops, the wire format they share, and the twin of
+the weight-edit check (`torch_absorb_weight_edits`).
 
 Each `torch_*` function here has a Triton kernel in `lightning_sdp4bit.kernels` that must give
 the same bytes with nearest rounding (stochastic rounding draws its noise differently there, so
@@ -38,6 +39,7 @@ __all__ = [
     "encode_rows",
     "payload_row_bytes",
     "stage_seed",
+    "torch_absorb_weight_edits",
     "torch_grad_decode_sum",
     "torch_grad_encode",
     "torch_grad_encode_pieces",
@@ -172,6 +174,18 @@ def torch_weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group
         else:
             target.copy_(values)
     return weights
+
+
+def torch_absorb_weight_edits(weights: Tensor, applied: Tensor, master: Tensor) -> Tensor:
+    """Take the elements written to the weights since the exchange into the master shard, in place.
+
+    weights: this rank's slice of the model weights [S] (fp32, bf16 or fp16); applied: what the
+    last exchange left there [S], same dtype; master: the fp32 master shard [S]. Where
+    `weights != applied` (torch's `!=`: a NaN is unequal to everything, itself included, and
+    -0.0 equals +0.0), master = fp32(weights); elsewhere master keeps its bits. Returns master.
+    """
+    # The mixed-dtype where converts the weights to fp32 (exactly) as it writes them.
+    return torch.where(weights != applied, weights, master, out=master)
 
 
 def torch_grad_encode(
