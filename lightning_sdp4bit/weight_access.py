@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_sdp4bit import ops
+
 if TYPE_CHECKING:
     from lightning_sdp4bit.buffers import Bucket
 
@@ -186,19 +188,21 @@ class WeightAccess:
         `copy_`, `detach().copy_`, and `.data` inside hooks) is taken in whole, even where the
         value written equals what the exchange left (an average can). A write through `.data`
         elsewhere moves no counter; it is taken in where it changed an element (the weight and
-        applied shards differ). Two kernels per bucket plus a fill per written parameter, with
-        no host synchronisation. The applied shards and versions stay until the next landing;
-        until then taking the same writes in again changes nothing.
+        applied shards differ). One kernel per bucket (`ops.absorb_weight_edits`: it reads the
+        two weight shards and writes a master element only where they differ) plus a copy per
+        written parameter's range, with no host synchronisation. The applied shards and
+        versions stay until the next landing; until then taking the same writes in again
+        changes nothing.
         """
         with torch.no_grad():
             for bucket, versions in zip(self.buckets, self._versions, strict=True):
-                edited = bucket.weight_shard != bucket.applied_shard
+                ops.absorb_weight_edits(bucket.weight_shard, bucket.applied_shard, bucket.master)
                 lo, hi = bucket.layout.shard_bounds(self.rank)
                 for slot, param, version in zip(bucket.layout.slots, bucket.params, versions, strict=True):
                     start, end = max(slot.start, lo), min(slot.start + slot.numel, hi)
                     if param._version != version and start < end:
-                        edited[start - lo : end - lo] = True
-                torch.where(edited, bucket.weight_shard, bucket.master, out=bucket.master)
+                        # Taken in whole, changed or not (where changed, the kernel wrote the same).
+                        bucket.master[start - lo : end - lo].copy_(bucket.weight_shard[start - lo : end - lo])
 
     def close(self) -> None:
         self.guard.close()

@@ -5,14 +5,20 @@
   landed inside its own handler);
 - under a mode the user pushed later, closing leaves it inert on the stack, and opening reuses it;
 - DataWriteTracker makes writes through `p.data` move `p._version` (outside it they do not), and
-  leaves other tensors' `.data` alone.
+  leaves other tensors' `.data` alone;
+- WeightAccess.absorb takes into this rank's master shard a written parameter's whole range
+  (even a write of the same value) and, of unwritten parameters, only the elements that changed
+  (a NaN too; -0.0 over +0.0 is no change); taking the same writes in again changes nothing.
 """
+
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_sdp4bit.weight_access import DataWriteTracker, ReadGuard
+from lightning_sdp4bit.buffers import BucketLayout, ParamSlot
+from lightning_sdp4bit.weight_access import DataWriteTracker, ReadGuard, WeightAccess
 
 
 class _UsersMode(TorchFunctionMode):
@@ -81,3 +87,28 @@ def test_data_writes_move_the_version_counter_inside_the_tracker_only():
         assert q._version == q_version  # not tracked
         assert not p.data.requires_grad
     assert p._version == version + 1
+
+
+def test_absorb_takes_written_parameters_whole_and_changed_elements_of_the_others():
+    # One bucket of 2 ranks x 4 elements, seen as rank 1 (elements 4..7): a spans 0..5, b 6..7.
+    layout = BucketLayout(0, torch.bfloat16, 2, 4, (ParamSlot("a", (6,), 0), ParamSlot("b", (2,), 6)))
+    weights = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.0, 8.0], dtype=torch.bfloat16)
+    a, b = nn.Parameter(torch.empty(6, dtype=torch.bfloat16)), nn.Parameter(torch.empty(2, dtype=torch.bfloat16))
+    a.data, b.data = weights[:6], weights[6:]  # as the buckets do: views, each with its own counter
+    shard = weights[4:]
+    master = shard.float() + 0.25  # masters apart from the weights, as under qWD
+    bucket = SimpleNamespace(
+        params=[a, b], layout=layout, weight_shard=shard, applied_shard=shard.clone(), master=master
+    )
+    access = WeightAccess([bucket], rank=1, wait=lambda indices: None)
+    with torch.no_grad():
+        a.mul_(1.0)  # a write that leaves the values as they were: a's counter moves
+    b.data[0] = -0.0  # no counter moves, and -0.0 == +0.0: no change
+    expected = torch.tensor([5.0, 6.0, 0.25, 8.25])
+    access.absorb()
+    assert torch.equal(master, expected) and not master[2].signbit()
+    b.data[1] = float("nan")  # a change no counter sees
+    expected[3] = float("nan")
+    for _ in range(2):  # the second time: the same writes, nothing changes
+        access.absorb()
+        assert torch.equal(master.view(torch.int32), expected.view(torch.int32))
