@@ -255,9 +255,6 @@ def _check_encode(
 # ------------------------------------------------------------------------------------------------
 # The bucket in pieces: the gradients where autograd left them, read in place.
 
-_MAX_TABLES = 1024  # past this many the cache starts over (pieces that move every step)
-_tables: dict[tuple, Tensor] = {}  # (device, stream, table values) -> the table on the device
-
 
 def readable_in_place(pieces: Sequence[Tensor], starts: Sequence[int]) -> bool:
     """Whether `grad_encode_pieces` can read these pieces where they lie: each contiguous,
@@ -276,10 +273,10 @@ def readable_in_place(pieces: Sequence[Tensor], starts: Sequence[int]) -> bool:
 
 
 def _piece_table(pieces: Sequence[Tensor], starts: Sequence[int]) -> Tensor:
-    """The int64 table [3, pieces] of `_piece_rows` on the pieces' device. Autograd's
-    gradients come back at the same addresses step after step (the caching allocator replays
-    the same requests), so a table made once is used again, with no copy from the host; one is
-    kept per stream, which orders its copy before every kernel that reads it."""
+    """The int64 table [3, pieces] of `_piece_rows`, on the pieces' device. Made for every call:
+    autograd's gradients seldom lie where they lay the step before (on the H200 at 1.3B, 490 of
+    518 tables differed from every earlier one). From pinned memory, the copy does not hold
+    the host up; the caching host allocator keeps the pinned block until the copy has run."""
     base, size = pieces[0].data_ptr(), pieces[0].element_size()
     values = (
         *starts,
@@ -287,17 +284,9 @@ def _piece_table(pieces: Sequence[Tensor], starts: Sequence[int]) -> Tensor:
         *((piece.data_ptr() - base) // size for piece in pieces),
     )
     device = pieces[0].device
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, values)
-    table = _tables.get(key)
-    if table is None:
-        if len(_tables) >= _MAX_TABLES:
-            _tables.clear()
-        table = torch.tensor(values, dtype=torch.int64)
-        if device.type == "cuda":  # from pinned memory: the host does not wait for the copy
-            table = table.pin_memory().to(device, non_blocking=True)
-        _tables[key] = table
-    return table
+    if device.type != "cuda":  # the interpreter reads host memory
+        return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 def _grad_encode_pieces(

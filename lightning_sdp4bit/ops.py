@@ -1,6 +1,7 @@
 """The one dispatch point between the reference ops and the Triton kernels.
 
-The engine calls only these six functions: the five compression ops and the weight-edit check
+The engine calls only these functions: the five compression ops (the gradient encoder also as
+`grad_encode_pieces`, which reads a bucket's gradients where they lie) and the weight-edit check
 (`absorb_weight_edits`). Each takes the arguments of its reference twin in
 `lightning_sdp4bit.reference.ops` (see there for shapes and the payload format) and runs the
 Triton kernel for CUDA tensors when Triton is importable, else the reference. Both produce the

@@ -13,7 +13,6 @@ Checks:
 - on CUDA, `lightning_sdp4bit.ops` dispatches to these kernels.
 """
 
-import importlib
 import math
 
 import pytest
@@ -201,22 +200,6 @@ def test_dispatch_sends_cuda_tensors_to_the_kernels(monkeypatch):
     grad = _randn(1024)
     payload = dispatch.grad_encode(grad, 2, 2, 32, 8, 128, "nearest", 0)
     assert calls and torch.equal(payload, original(grad, 2, 2, 32, 8, 128, "nearest", 0))
-
-
-def test_a_piece_table_is_made_once_for_pieces_lying_where_they_lay_before(monkeypatch):
-    """The table of where the pieces lie is kept, keyed by its values: the same layout again (as
-    autograd's gradients come back step after step) takes no new table, a new layout one."""
-    module = importlib.import_module("lightning_sdp4bit.kernels.grad_encode")  # the package's name is the function
-    monkeypatch.setattr(module, "_tables", {})
-    grad = _randn(1024, seed=3)
-    args = (2, 2, 32, 8, 128, "nearest", 0)
-    swapped = kernels.grad_encode_pieces([grad[512:], grad[:512]], [0, 512], 1024, *args)
-    assert len(module._tables) == 1
-    again = kernels.grad_encode_pieces([grad[512:], grad[:512]], [0, 512], 1024, *args)
-    assert len(module._tables) == 1 and torch.equal(again, swapped)
-    in_order = kernels.grad_encode_pieces([grad[:512], grad[512:]], [0, 512], 1024, *args)
-    assert len(module._tables) == 2 and torch.equal(in_order, kernels.grad_encode(grad, *args))
-    assert not torch.equal(in_order, swapped)
 
 
 @pytest.mark.gpu
