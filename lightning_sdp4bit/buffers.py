@@ -15,7 +15,8 @@ Per bucket (N = W * S elements):
   exist from the bucket's first gradient of a window until its exchange takes them (in the
   synced backward the bucket holds the parameters' own gradients until then, `Bucket.hold_grad`,
   and the compressed exchange reads them where they lie, `HeldGrads`), so that during backward
-  only the buckets between those two moments hold any (the peak is the start of backward, when none do yet);
+  only the buckets between those two moments hold any (the peak is the start of backward, when
+  none do yet);
 - master shard, gradient shard: [S] fp32 each;
 - applied shard: [S] in the module's dtype, the weight shard as the last exchange left it.
 """
@@ -249,8 +250,9 @@ class Bucket:
 
     def hold_grad(self, position: int, grad: Tensor) -> None:
         """Keep parameter `position`'s gradient of the synced backward until the exchange takes
-        the window gradients (`take_grads`), then put the bucket's in at once, as `receive_grad`
-        would one by one (copied, or added to an fp32 window): one concatenation or multi-tensor
+        the window gradients (`take_grads`): hand them over as they lie (`in_place`), or put the
+        bucket's in at once, as `receive_grad` would one by one (copied, or added to an fp32
+        window): one concatenation or multi-tensor
         copy where a copy per parameter cost a launch each (292 a step at 1.3B, where the host's
         step was as long as the GPU's). The held gradients take the memory their copies in
         `grads` would; while they are put in, the bucket has both for a moment. A second

@@ -5,7 +5,8 @@ One optimizer step (N = bucket elements, S = N / world, per bucket; the phases a
 1. backward: a post-accumulate-grad hook puts each parameter's gradient into its bucket's
    window gradients [N] (`Bucket.receive_grad`: the weights' dtype for one backward, fp32 where
    micro-batches are summed; in the synced backward `Bucket.hold_grad` keeps them until the
-   bucket's exchange starts and copies them in at once) and frees the parameter's own .grad.
+   bucket's exchange starts, which reads them where they lie when it compresses, else copies
+   them in at once) and frees the parameter's own .grad.
    While `grad_sync_enabled` (the last micro-batch of an accumulation window), a bucket whose
    gradients are all in starts its reduce-scatter, overlapping the rest of backward; the
    exchange takes the window gradients (and divides them by the world size as it reads them).
