@@ -6,7 +6,10 @@ grad_decode_sum), on a grid that covers bits {2, 4, 8}, group sizes 32..2048, Ha
 programs with a partial last one):
 - payload bytes (codes, then scales) identical to `lightning_sdp4bit.reference.ops`;
 - in-place results (weights, gradient shard) identical, every element written;
-- exact ties round half to even, all-zero groups get scale 0 and codes 0.
+- exact ties round half to even, all-zero groups get scale 0 and codes 0;
+- grad_encode_pieces, reading a bucket's gradients where they lie (some below the first, a slot
+  with none, padding), gives the bytes of grad_encode of the assembled bucket, with either
+  rounding.
 Runs on CUDA where there is a GPU, else in Triton's interpreter (tests/conftest.py), so sizes are
 small.
 """
