@@ -27,7 +27,7 @@ without a GPU, the kernels run in Triton's interpreter when TRITON_INTERPRET=1 i
 Triton is imported (that is how CI tests them); otherwise they take CUDA tensors only.
 """
 
-from .grad_encode import grad_encode, grad_encode_pieces, readable_in_place
+from .grad_encode import grad_encode, grad_encode_pieces
 from .grad_reduce import grad_decode_sum, grad_requantize
 from .weight_edits import absorb_weight_edits
 from .weight_update import weight_update_apply, weight_update_encode
@@ -38,7 +38,6 @@ __all__ = [
     "grad_encode",
     "grad_encode_pieces",
     "grad_requantize",
-    "readable_in_place",
     "weight_update_apply",
     "weight_update_encode",
 ]

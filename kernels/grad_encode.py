@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_sdp4bit.config import Rounding, check_bits
-from lightning_sdp4bit.reference.ops import payload_row_bytes
+from lightning_sdp4bit.reference.ops import assemble_pieces, payload_row_bytes
 
 from ._columns import (
     INTERPRETING,
@@ -45,7 +45,7 @@ from ._common import (
 )
 from ._launch import launch
 
-__all__ = ["grad_encode", "grad_encode_pieces", "readable_in_place"]
+__all__ = ["grad_encode", "grad_encode_pieces"]
 
 
 @triton.jit
@@ -253,21 +253,16 @@ def _check_encode(
 
 
 # ------------------------------------------------------------------------------------------------
-# The bucket in pieces: the gradients where autograd left them, read in place.
+# The bucket in pieces: the gradients where autograd left them, read in place where they can be.
 
 
-def readable_in_place(pieces: Sequence[Tensor], starts: Sequence[int]) -> bool:
-    """Whether `grad_encode_pieces` can read these pieces where they lie: each contiguous,
-    starting at a multiple of 16 bytes, and starting and ending on thread rows (multiples of
-    16 elements in the bucket), all of one dtype, fp32 or bf16. (A GPT's parameters are; a
-    gradient that is not can be copied into a buffer first.)"""
+def _readable_in_place(pieces: Sequence[Tensor], starts: Sequence[int]) -> bool:
+    """Whether the kernel can read these pieces (of one dtype) where they lie: each contiguous,
+    starting at a multiple of 16 bytes, and starting and ending on thread rows (multiples of 16
+    elements in the bucket). A GPT's gradients are."""
     T = SPLIT_THREAD_ROW
-    return bool(pieces) and all(
-        piece.dtype == pieces[0].dtype in (torch.float32, torch.bfloat16)
-        and piece.is_contiguous()
-        and piece.data_ptr() % 16 == 0
-        and start % T == 0
-        and piece.numel() % T == 0
+    return all(
+        piece.is_contiguous() and piece.data_ptr() % 16 == 0 and start % T == 0 and piece.numel() % T == 0
         for piece, start in zip(pieces, starts, strict=True)
     )
 
@@ -302,14 +297,11 @@ def _grad_encode_pieces(
     seed: int,
     scale: float,
 ) -> Tensor:
-    # Checked here, where compiled code runs too: addresses are not known while tracing.
-    if not readable_in_place(pieces, starts):
-        raise ValueError(
-            f"pieces must be readable in place: contiguous, of one dtype (fp32 or bf16), at 16-byte "
-            f"addresses, with starts and sizes multiples of {SPLIT_THREAD_ROW} elements"
-        )
     args = (outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
-    return _encode(pieces[0], _piece_table(pieces, starts), len(pieces), numel, *args)
+    # Decided here, where compiled code runs too: addresses are not known while tracing.
+    if _readable_in_place(pieces, starts):
+        return _encode(pieces[0], _piece_table(pieces, starts), len(pieces), numel, *args)
+    return _grad_encode(assemble_pieces(pieces, starts, numel), *args)
 
 
 _grad_encode_pieces_op = torch.library.custom_op("sdp4bit::grad_encode_pieces", _grad_encode_pieces, mutates_args=())
@@ -336,9 +328,11 @@ def grad_encode_pieces(
 ) -> Tensor:
     """`grad_encode` of a bucket of `numel` elements given in pieces: elements starts[i] to
     starts[i] + pieces[i].numel() are pieces[i] (any shape, flattened), ascending and not
-    overlapping; every other element is 0. The pieces are read where they lie, with no copy into
-    one buffer: they must be `readable_in_place`. Equals `grad_encode` of the assembled bucket
-    byte for byte, with either rounding. Raises ValueError, naming the parameter, for bad
+    overlapping; every other element is 0; all fp32 or all bf16. The pieces are read where they
+    lie, with no copy into one buffer, when each is contiguous, at a 16-byte address, and starts
+    and ends on a multiple of 16 elements of the bucket (a GPT's gradients do); otherwise they are
+    assembled into one buffer first (`assemble_pieces`). Equals `grad_encode` of the assembled
+    bucket byte for byte, with either rounding. Raises ValueError, naming the parameter, for bad
     arguments.
     """
     if isinstance(numel, bool) or not isinstance(numel, int):
@@ -354,6 +348,8 @@ def grad_encode_pieces(
     for index, (piece, start) in enumerate(zip(pieces, starts, strict=True)):
         if not isinstance(piece, Tensor) or piece.device != pieces[0].device:
             raise ValueError(f"pieces[{index}] must be a tensor on {pieces[0].device}")
+        if piece.dtype != pieces[0].dtype or piece.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"pieces must be all fp32 or all bf16, got {piece.dtype} at pieces[{index}]")
         if start < end:
             raise ValueError(f"starts must ascend, no piece overlapping the next: starts[{index}] = {start} < {end}")
         end = start + piece.numel()

@@ -23,7 +23,7 @@ from ._launch import launch
 
 __all__ = ["absorb_weight_edits"]
 
-_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel's; `ops` sends others to the twin
 
 BLOCK = 2048
 """Elements per program: with NUM_WARPS warps, 16 a thread, i.e. two 16-byte loads of each bf16
@@ -87,8 +87,8 @@ def absorb_weight_edits(weights: Tensor, applied: Tensor, master: Tensor) -> Ten
     and is not written. Returns `master`. Equals `torch_absorb_weight_edits` bit for bit. Raises
     ValueError, naming the parameter, for bad arguments.
     """
-    check_tensor("weights", weights, _WEIGHT_DTYPES, 1)
-    check_tensor("applied", applied, _WEIGHT_DTYPES, 1)
+    check_tensor("weights", weights, WEIGHT_DTYPES, 1)
+    check_tensor("applied", applied, WEIGHT_DTYPES, 1)
     if applied.dtype != weights.dtype or applied.shape != weights.shape or applied.device != weights.device:
         raise ValueError(
             f"applied must match weights' dtype, shape and device ({weights.dtype}, {tuple(weights.shape)}, "

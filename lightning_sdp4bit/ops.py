@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from lightning_sdp4bit.config import Rounding, SDP4BitConfig
@@ -31,8 +30,6 @@ __all__ = [
     "weight_update_apply",
     "weight_update_encode",
 ]
-
-_EDIT_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # absorb_weight_edits' kernel's
 
 
 @functools.cache
@@ -126,15 +123,12 @@ def grad_encode_pieces(
     scale: float = 1.0,
 ) -> Tensor:
     """`grad_encode` of a bucket given in pieces (the gradients where autograd left them; zero
-    elsewhere), read in place where the kernel can (`readable_in_place`), else copied into one
-    buffer first."""
+    elsewhere): the kernel reads them in place where it can."""
     args = (outer, chunks, hadamard_size, bits, group_size, rounding, seed, scale)
     if _on_kernels(pieces[0]):
-        from lightning_sdp4bit import kernels
+        from lightning_sdp4bit.kernels import grad_encode_pieces as kernel
 
-        if kernels.readable_in_place(pieces, starts):
-            return kernels.grad_encode_pieces(pieces, starts, numel, *args)
-        return kernels.grad_encode(reference.assemble_pieces(pieces, starts, numel), *args)
+        return kernel(pieces, starts, numel, *args)
     return reference.torch_grad_encode_pieces(pieces, starts, numel, *args)
 
 
@@ -161,10 +155,11 @@ def grad_decode_sum(payload: Tensor, bits: int, group_size: int, hadamard_size: 
 def absorb_weight_edits(weights: Tensor, applied: Tensor, master: Tensor) -> Tensor:
     """Where the weights [S] differ from what the exchange left (`applied`), their fp32 values into
     the master shard [S], in place; one pass, no host synchronisation."""
-    # Other weight dtypes (fp64) take the reference: the engine does not limit the module's dtype
-    # where weights are not compressed, and the reference takes any.
-    if _on_kernels(weights) and weights.dtype in _EDIT_KERNEL_DTYPES:
-        from lightning_sdp4bit.kernels import absorb_weight_edits as kernel
+    if _on_kernels(weights):
+        from lightning_sdp4bit.kernels.weight_edits import WEIGHT_DTYPES, absorb_weight_edits
 
-        return kernel(weights, applied, master)
+        # Other weight dtypes (fp64) take the reference: the engine does not limit the module's
+        # dtype where weights are not compressed, and the reference takes any.
+        if weights.dtype in WEIGHT_DTYPES:
+            return absorb_weight_edits(weights, applied, master)
     return reference.torch_absorb_weight_edits(weights, applied, master)

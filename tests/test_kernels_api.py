@@ -14,6 +14,7 @@ Checks:
 """
 
 import math
+import sys
 
 import pytest
 import torch
@@ -98,11 +99,8 @@ def _bad_calls():
         ("starts must ascend", lambda: pieces([MASTER[:32], MASTER[:32]], [32, 48], 512)),
         ("past numel", lambda: pieces([MASTER], [384], 512)),
         ("pieces\\[1\\] must be a tensor", lambda: pieces([MASTER[:32], [0.0] * 32], [0, 32], 512)),
-        ("readable in place", lambda: pieces([MASTER[:32], MASTER[32:64].bfloat16()], [0, 32], 512)),
-        ("readable in place", lambda: pieces([MASTER[:40]], [0], 512)),
-        ("readable in place", lambda: pieces([MASTER[:32]], [8], 512)),
-        ("readable in place", lambda: pieces([MASTER[2:34]], [0], 512)),  # 8 bytes into a buffer
-        ("readable in place", lambda: pieces([MASTER[:64].view(8, 8).t()], [0], 512)),
+        ("all fp32 or all bf16", lambda: pieces([MASTER[:32], MASTER[32:64].bfloat16()], [0, 32], 512)),
+        ("all fp32 or all bf16", lambda: pieces([MASTER[:32].half()], [0], 512)),
         ("scale", lambda: pieces([MASTER], [0], 512, scale=-1.0)),
     ]
 
@@ -202,20 +200,38 @@ def test_dispatch_sends_cuda_tensors_to_the_kernels(monkeypatch):
     assert calls and torch.equal(payload, original(grad, 2, 2, 32, 8, 128, "nearest", 0))
 
 
+UNREADABLE = {  # pieces the kernel cannot read where they lie, and the bucket of 512 they make
+    "not whole rows": ([MASTER[:40]], [0]),
+    "starting mid-row": ([MASTER[:32]], [8]),
+    "8 bytes into a buffer": ([MASTER[2:34]], [0]),
+    "not contiguous": ([MASTER[:64].view(8, 8).t()], [0]),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_pieces_the_kernel_cannot_read_in_place_are_assembled_first_with_the_same_bytes(case, monkeypatch):
+    module = sys.modules["lightning_sdp4bit.kernels.grad_encode"]  # the package's name is the function
+    assembled = []
+    monkeypatch.setattr(module, "assemble_pieces", lambda *a: assembled.append(a) or reference.assemble_pieces(*a))
+    args = (2, 2, 32, 8, 128, "nearest", 0)
+    grad = _randn(512, seed=5)
+    in_place = kernels.grad_encode_pieces([grad[:256], grad[256:]], [0, 256], 512, *args)
+    assert not assembled and torch.equal(in_place, kernels.grad_encode(grad, *args))
+    pieces, starts = UNREADABLE[case]
+    bucket = reference.assemble_pieces(pieces, starts, 512)
+    assert torch.equal(kernels.grad_encode_pieces(pieces, starts, 512, *args), kernels.grad_encode(bucket, *args))
+    assert len(assembled) == 1
+
+
 @pytest.mark.gpu
-def test_dispatch_reads_pieces_in_place_where_it_can_and_assembles_them_where_not(monkeypatch):
+def test_dispatch_sends_cuda_pieces_to_the_kernel(monkeypatch):
     calls = []
     original = kernels.grad_encode_pieces
     monkeypatch.setattr(kernels, "grad_encode_pieces", lambda *args: calls.append(args) or original(*args))
     grad = _randn(1024, seed=5)
     args = (2, 2, 32, 8, 128, "nearest", 0)
-    expected = kernels.grad_encode(grad, *args)
-    assert torch.equal(dispatch.grad_encode_pieces([grad[:512], grad[512:]], [0, 512], 1024, *args), expected)
-    assert len(calls) == 1
-    odd = grad[8:1016].clone()  # 1008 elements: not whole thread rows of 16 from element 8
-    expected = kernels.grad_encode(torch.nn.functional.pad(odd, (8, 8)), *args)
-    assert torch.equal(dispatch.grad_encode_pieces([odd], [8], 1024, *args), expected)
-    assert len(calls) == 1
+    payload = dispatch.grad_encode_pieces([grad[:512], grad[512:]], [0, 512], 1024, *args)
+    assert len(calls) == 1 and torch.equal(payload, kernels.grad_encode(grad, *args))
 
 
 def test_configs_beyond_the_kernels_are_refused_before_launch():
