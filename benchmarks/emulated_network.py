@@ -131,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     python = "with --profile: record every Python call on the host too (trace_summary.py --idle then says where"
     python += " the host was while the GPU waited for it; slows the host, so only the trace is worth reading)"
     parser.add_argument("--profile-python", action="store_true", help=python)
+    kernels = "with --profile: record the GPU's work only, no host events (the host stays ahead of the GPU, so the"
+    kernels += " kernels run beside each other as unprofiled; trace_summary.py's kernel sums, not its --idle split)"
+    parser.add_argument("--profile-kernels", action="store_true", help=kernels)
+    brackets = "on (default): CUDA events around every engine call (the engine table); off: none, to measure what"
+    brackets += " they cost the step"
+    parser.add_argument("--brackets", choices=("on", "off"), default="on", help=brackets)
     args = parser.parse_args(argv)
     if args.tables_from:
         if not Path(args.tables_from).is_file():
@@ -166,8 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--dry-run runs a tiny model on the CPU: {' or '.join(DRY_RUN_MODELS)}, not {args.model}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: this measures a GPU. Use --dry-run for a CPU check of the script (no timings)")
-    if args.profile_python and not args.profile:
-        parser.error("--profile-python records Python calls into the trace: it needs --profile PATH")
+    if (args.profile_python or args.profile_kernels) and not args.profile:
+        parser.error("--profile-python and --profile-kernels choose what the trace records: they need --profile PATH")
+    if args.profile_python and args.profile_kernels:
+        parser.error("--profile-python records the host's calls, --profile-kernels none of them: choose one")
     for flag, path in (("--profile", args.profile), ("--json", args.json), ("--markdown", args.markdown)):
         if path and not Path(path).resolve().parent.is_dir():
             parser.error(f"{flag}: the folder of {path} does not exist")

@@ -102,6 +102,8 @@ class PhaseTimer:
         (the trace records every Python call on the host too)."""
         self.network, self.steps, self.profile_path = network, args.steps, profile
         self.profile_python = bool(getattr(args, "profile_python", False))
+        self.profile_kernels = bool(getattr(args, "profile_kernels", False))
+        self.bracketing = getattr(args, "brackets", "on") == "on"
         warmup, settle, steps = args.warmup, args.settle, args.steps
         self.cuda = args.device.type == "cuda"
         # The compute stream's device, so that each clock's event skips torch's device lookup
@@ -146,8 +148,10 @@ class PhaseTimer:
     @contextlib.contextmanager
     def bracket(self, name: str):
         """Time the compute stream's work between entering and leaving (counted only while a
-        phase is timed): `results()` gives each name's ms per timed step."""
-        if self._last_clock is None:
+        phase is timed, and with `args.brackets` on): `results()` gives each name's ms per timed
+        step. Off, no event is recorded: what the brackets' events cost the step is then the
+        difference."""
+        if self._last_clock is None or not self.bracketing:
             yield
             return
         start = self._clock()
@@ -244,7 +248,8 @@ class PhaseTimer:
         }
 
     def _start_profile(self) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] * self.cuda)
+        host = [] if self.profile_kernels and self.cuda else [torch.profiler.ProfilerActivity.CPU]
+        activities = host + ([torch.profiler.ProfilerActivity.CUDA] * self.cuda)
         self._profiler = torch.profiler.profile(activities=activities, with_stack=self.profile_python)
         self._profiler.start()
 

@@ -150,7 +150,10 @@ def _script(*args):
         (["--latency-us", "2,-1"], "latencies must be >= 0 microseconds"),
         (["--bucket-numel", "4e6,big"], "--bucket-numel: '4e6,big' is not a comma list"),
         (["--bucket-numel", "0.5"], "every size must be a whole number of elements >= 1"),
-        (["--profile-python"], "--profile-python records Python calls into the trace: it needs --profile PATH"),
+        (["--profile-python"], "--profile-python and --profile-kernels choose what the trace records: they need"),
+        (["--profile-kernels"], "--profile-python and --profile-kernels choose what the trace records: they need"),
+        (["--profile", "t.json", "--profile-python", "--profile-kernels"], "the host's calls, --profile-kernels none"),
+        (["--brackets", "none"], "argument --brackets: invalid choice"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message, capsys):
