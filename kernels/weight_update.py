@@ -3,7 +3,9 @@
 - `weight_update_encode`, the sender: master shard [S] minus model weights [S], quantized into a
   payload [1, row_bytes(S)], in one pass (the subtraction is fused into the quantizer).
 - `weight_update_apply`, every receiver: the gathered payload [W, row_bytes(S)] dequantized and
-  added into the model weights [W*S] in place (the addition is fused into the dequantizer).
+  added into the model weights [W*S] in place (the addition is fused into the dequantizer). Its
+  rows may be in rank order or local-major, as a two-level all-gather lands them (`nodes`), so
+  that nothing has to put them in rank order first.
 
 Twins: `torch_weight_update_encode` and `torch_weight_update_apply` in
 `lightning_sdp4bit.reference.ops`, which define the semantics and the payload format.
@@ -94,6 +96,8 @@ def _apply_kernel(
     shard_rows,  # S // T: thread rows per payload row
     row_units,  # row_bytes // (4 * ROW_UNIT)
     code_words,  # S * BITS // 32: the word of a row where its scales start
+    ranks_per_node,  # L of the payload's local-major rows [L, M]; 1 for rank order
+    nodes,  # M = W // L
     ROW_UNIT: tl.constexpr,  # words; see _common.row_length
     ADDITIVE: tl.constexpr,
     BITS: tl.constexpr,
@@ -103,12 +107,13 @@ def _apply_kernel(
 ):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     live = rows < thread_rows
-    sender = (rows // shard_rows).to(tl.int64)  # payload row = the rank that sent this shard
+    rank = rows // shard_rows  # the sender of this thread row's shard: rank m * L + l
+    payload_row = ((rank % ranks_per_node) * nodes + rank // ranks_per_node).to(tl.int64)  # l * M + m
     local = rows % shard_rows
     row_words = row_units.to(tl.int64) * ROW_UNIT
     TW: tl.constexpr = T * BITS // 32
-    words = load_columns(words_ptr, sender * row_words + local * TW, live, TW)
-    scale = load_per_row(scales_ptr, sender * row_words + code_words + local // (GROUP // T), live)
+    words = load_columns(words_ptr, payload_row * row_words + local * TW, live, TW)
+    scale = load_per_row(scales_ptr, payload_row * row_words + code_words + local // (GROUP // T), live)
     values = dequantize_columns(words, scale, T, BITS)
     first = rows.to(tl.int64) * T
     if ADDITIVE:
@@ -160,15 +165,24 @@ def _(master, weights, bits, group_size, rounding, seed):
     return master.new_empty(1, payload_row_bytes(master.numel(), bits, group_size), dtype=torch.uint8)
 
 
-def _weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> None:
+def _weight_update_apply(
+    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+) -> None:
     # It only dequantizes, so a thread row can be one 16-byte vector of weights (and at least one
     # word of codes): a warp's accesses are then contiguous, where 64-byte bf16 rows left half of
     # every sector to a later load, and the loads came late enough to miss L1 (61-66% of the
     # copy bandwidth). Four rows per thread keep four vectors in flight.
     thread_row = max(16 // weights.element_size(), 32 // bits)
     config = LaunchConfig(group_size, thread_row, rows_per_thread=4)
-    shard = weights.numel() // payload.shape[0]
+    ranks = payload.shape[0]
+    shard = weights.numel() // ranks
     row_units, unit = row_length(payload)
+    # The layout goes in as runtime integers, not constexprs, so that layouts do not each compile a
+    # kernel. Triton compiles an integer argument equal to 1 as that constant, so the rank-order
+    # launch (given as L = 1, for nodes = 1 as for nodes = W) folds the remap away: it is the
+    # kernel as it was. Local-major, the remap costs two integer divisions per thread row (16 bytes
+    # of weights), beside the row's loads.
+    ranks_per_node = ranks // nodes if 1 < nodes < ranks else 1
     launch(
         _apply_kernel,
         config.grid(weights.numel() // config.thread_row),
@@ -178,6 +192,8 @@ def _weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size
         shard // config.thread_row,
         row_units,
         shard * bits // 32,
+        ranks_per_node,
+        ranks // ranks_per_node,
         ROW_UNIT=unit,
         ADDITIVE=additive,
         BITS=bits,
@@ -194,7 +210,7 @@ _weight_update_apply_op = torch.library.custom_op(
 
 
 @_weight_update_apply_op.register_fake
-def _(payload, weights, bits, group_size, additive):
+def _(payload, weights, bits, group_size, additive, nodes=1):
     return None
 
 
@@ -223,12 +239,17 @@ def weight_update_encode(
     return eager(_weight_update_encode_op, _weight_update_encode)(master, weights, bits, group_size, rounding, seed)
 
 
-def weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> Tensor:
+def weight_update_apply(
+    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+) -> Tensor:
     """Receiver side: dequantize the gathered payload [W, row_bytes(S)] into weights [W*S], in place.
 
     additive (qWD): weights = dtype(fp32(weights) + code * scale); otherwise (qW): weights =
-    dtype(code * scale). weights: bf16 or fp32. Returns `weights`. Equals
-    `torch_weight_update_apply` bit for bit, so replicas stay identical.
+    dtype(code * scale). weights: bf16 or fp32. The payload's rows are local-major [L, M] with
+    M = `nodes` and L = W // nodes, as a two-level all-gather lands them: the shard of rank
+    m * L + l, weights[(m*L + l)*S:][:S], is payload row l * M + m. nodes = 1 (or W) is rank
+    order. Returns `weights`. Equals `torch_weight_update_apply` bit for bit, so replicas stay
+    identical.
     """
     check_bits("bits", bits)
     check_group_and_hadamard(group_size)
@@ -241,5 +262,11 @@ def weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size:
         )
     if not isinstance(additive, bool):
         raise ValueError(f"additive must be True or False, got {additive!r}")
-    eager(_weight_update_apply_op, _weight_update_apply)(payload, weights, bits, group_size, additive)
+    ranks = payload.shape[0]
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or ranks % nodes:
+        raise ValueError(
+            f"nodes must be a positive integer that divides the payload's {ranks} rows (1 for rows in rank "
+            f"order), got {nodes!r}"
+        )
+    eager(_weight_update_apply_op, _weight_update_apply)(payload, weights, bits, group_size, additive, nodes)
     return weights

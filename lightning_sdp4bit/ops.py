@@ -81,13 +81,16 @@ def weight_update_encode(
     return reference.torch_weight_update_encode(master, weights, bits, group_size, rounding, seed)
 
 
-def weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> Tensor:
-    """Dequantize the gathered payload [W, row] into the weights [W*S], in place."""
+def weight_update_apply(
+    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+) -> Tensor:
+    """Dequantize the gathered payload [W, row] into the weights [W*S], in place; its rows in rank
+    order (nodes = 1) or local-major [L, M] over M = `nodes` nodes, as a two-level gather lands them."""
     if _on_kernels(weights):
         from lightning_sdp4bit.kernels import weight_update_apply as kernel
 
-        return kernel(payload, weights, bits, group_size, additive)
-    return reference.torch_weight_update_apply(payload, weights, bits, group_size, additive)
+        return kernel(payload, weights, bits, group_size, additive, nodes)
+    return reference.torch_weight_update_apply(payload, weights, bits, group_size, additive, nodes)
 
 
 def grad_encode(

@@ -3,7 +3,7 @@
 Checks:
 - every bad argument raises a ValueError that names the parameter (bits, in_bits, out_bits,
   group_size, hadamard_size, rounding, seed, master, weights, grad, outer, chunks, payload, out,
-  additive);
+  additive, nodes);
 - a group holding NaN or Inf gets a non-finite scale (the other groups stay exact), and a
   non-finite scale in a received payload stays visible in what is decoded from it;
 - the inverse Hadamard transform in grad_decode_sum: its error against an fp64 reference is at
@@ -78,6 +78,11 @@ def _bad_calls():
         ("payload", lambda: app(PAYLOAD8.view(-1), MASTER, 8, 128, True)),
         ("payload", lambda: app(_misaligned(PAYLOAD8), torch.zeros(512, device=DEVICE), 8, 128, True)),
         ("additive", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, "yes")),
+        ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, 0)),
+        ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, -2)),
+        ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, 3)),  # 2 rows
+        ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, 2.0)),
+        ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, True)),
         ("hadamard_size", lambda: genc(MASTER, 1, 2, 48, 8, 128, "nearest", 0)),
         ("hadamard_size", lambda: genc(MASTER, 1, 2, 256, 8, 128, "nearest", 0)),
         ("hadamard_size", lambda: genc(_randn(1024), 1, 2, 512, 8, 512, "nearest", 0)),
@@ -167,14 +172,17 @@ def test_inverse_hadamard_error_is_within_twice_pytorch_fp32_error(hadamard_size
 
 
 def _pipeline(master, weights, grad):
-    """Every op once, as one rank's step would call them (two nodes of two ranks, one shard each)."""
+    """Every op once, as one rank's step would call them (two nodes of two ranks, one shard each),
+    and the weight apply once more on four local-major rows."""
     update = kernels.weight_update_encode(master, weights, 4, 128, "nearest", 0)
     weights = kernels.weight_update_apply(update, weights, 4, 128, True)
     stage1 = kernels.grad_encode(grad, 2, 2, 32, 8, 128, "nearest", 0)
     in_place = kernels.grad_encode_pieces([grad[512:], grad[:512]], [0, 512], 1024, 2, 2, 32, 8, 128, "nearest", 0)
     stage2 = kernels.grad_requantize(stage1, 8, 4, 128, 2, "nearest", 0)
     shard = kernels.grad_decode_sum(stage2, 4, 128, 32, torch.empty(256, device=grad.device))
-    return update, weights, stage1, in_place, stage2, shard
+    # Rows [a, b, a, b] as 2 nodes x 2 land them: weights [a, a, b, b] (rank order would give [a, b, a, b]).
+    replicas = kernels.weight_update_apply(stage1.repeat(2, 1), torch.zeros(2048, device=grad.device), 8, 128, False, 2)
+    return update, weights, stage1, in_place, stage2, shard, replicas
 
 
 def test_ops_are_custom_ops_that_compile_in_one_graph():

@@ -6,6 +6,8 @@ grad_decode_sum), on a grid that covers bits {2, 4, 8}, group sizes 32..2048, Ha
 programs with a partial last one):
 - payload bytes (codes, then scales) identical to `lightning_sdp4bit.reference.ops`;
 - in-place results (weights, gradient shard) identical, every element written;
+- weight_update_apply on payload rows in local-major order (as a two-level all-gather lands them)
+  for several (ranks, nodes), rank order (nodes 1 or W) among them;
 - exact ties round half to even, all-zero groups get scale 0 and codes 0;
 - grad_encode_pieces, reading a bucket's gradients where they lie (some below the first, a slot
   with none, padding), gives the bytes of grad_encode of the assembled bucket, with either
@@ -91,6 +93,30 @@ def test_weight_update_apply_matches_reference(bits, group_size, ranks, numel, d
     expected = _spec(reference.torch_weight_update_apply, payload, weights.clone(), bits, group_size, additive)
     out = weights.clone()
     assert kernels.weight_update_apply(payload, out, bits, group_size, additive) is out
+    _bits_equal(out, expected)
+
+
+# (bits, group_size, ranks W, nodes M, shard numel S, weights dtype, additive)
+NODES_CASES = [
+    (4, 2048, 8, 2, 2048, torch.bfloat16, True),  # the paper's qWD on 2 nodes x 4
+    (2, 32, 6, 3, 37 * 32, torch.float32, True),  # 3 nodes x 2
+    (8, 128, 6, 2, 77 * 128, torch.bfloat16, False),  # 2 nodes x 3, three programs a shard
+    (4, 64, 8, 4, 3 * 64, torch.float32, False),  # 4 nodes x 2
+    (8, 512, 6, 1, 512, torch.float32, True),  # one node: rank order
+    (2, 64, 6, 6, 2 * 64, torch.bfloat16, False),  # one rank per node: rank order too
+]
+
+
+@pytest.mark.parametrize("bits, group_size, ranks, nodes, numel, dtype, additive", NODES_CASES)
+def test_weight_update_apply_reads_local_major_rows_as_the_reference(
+    bits, group_size, ranks, nodes, numel, dtype, additive
+):
+    payload = _payload(ranks, numel, bits, group_size, 8)
+    weights = _gradient_like(ranks * numel, 9, dtype)
+    args = (bits, group_size, additive, nodes)
+    expected = _spec(reference.torch_weight_update_apply, payload, weights.clone(), *args)
+    out = weights.clone()
+    assert kernels.weight_update_apply(payload, out, *args) is out
     _bits_equal(out, expected)
 
 

@@ -1,7 +1,8 @@
 """kernels._launch on a GPU (skipped elsewhere), against Triton itself.
 
 - Every launch the five ops make, over 16-byte-aligned and 4-byte-aligned payloads, sizes whose
-  counts are 1, multiples of 16 and neither, i32 and i64 seeds and both rounding modes: the compiled
+  counts are 1, multiples of 16 and neither, i32 and i64 seeds, both rounding modes and gathered
+  weight rows in rank order and local-major (1, 2 and 4 nodes of 8 ranks): the compiled
   kernel `launch` ran is the one Triton's own path picks for the same arguments (its warmup
   run, which compiles or looks up without launching). A signature coarser than Triton's
   specialization would fail here.
@@ -33,15 +34,16 @@ def _offset(payload, nbytes):
     return moved
 
 
-def _every_op(numel, offset, seed, rounding):
-    """One call of each op on a bucket of 8 x numel (2 nodes x 4), every payload `offset` bytes
-    into its buffer; returns their outputs."""
+def _every_op(numel, offset, seed, rounding, nodes=2):
+    """One call of each op on a bucket of 8 x numel (2 nodes x 4 for the gradients, `nodes` nodes
+    of the gathered weight rows' local-major layout), every payload `offset` bytes into its buffer;
+    returns their outputs."""
     generator = torch.Generator(device="cuda").manual_seed(numel)
     master = torch.randn(numel, device="cuda", generator=generator)
     weights = (master + 0.01).bfloat16()
     payload = _offset(kernels.weight_update_encode(master, weights, 4, 128, rounding, seed), offset)
     full = torch.randn(8 * numel, device="cuda", generator=generator).bfloat16()
-    kernels.weight_update_apply(_offset(payload.repeat(8, 1), offset), full, 4, 128, True)
+    kernels.weight_update_apply(_offset(payload.repeat(8, 1), offset), full, 4, 128, True, nodes)
     grad = torch.randn(8 * numel, device="cuda", generator=generator)
     intra = _offset(kernels.grad_encode(grad, 2, 4, 32, 8, 128, rounding, seed, 0.125), offset)
     inter = _offset(kernels.grad_requantize(intra, 8, 4, 128, 2, rounding, seed), offset)
@@ -50,10 +52,11 @@ def _every_op(numel, offset, seed, rounding):
     return payload, full, intra, inter, shard
 
 
-# Sizes whose thread-row counts are 1, multiples of 16 and neither; i32 and i64 seeds.
+# Sizes whose thread-row counts are 1, multiples of 16 and neither; i32 and i64 seeds; weight rows
+# in rank order (1 node: the kernel gets L = 1, which Triton compiles as a constant) or not.
 CASES = [
-    (numel, offset, seed, rounding)
-    for numel in (128, 1536, 4096)
+    (numel, offset, seed, rounding, nodes)
+    for numel, nodes in ((128, 1), (1536, 2), (4096, 4))
     for offset in (0, 4)
     for seed, rounding in ((3, "nearest"), (3, "stochastic"), (2**40, "stochastic"))
 ]

@@ -1,7 +1,8 @@
 """The reference fused ops and the simulations of the compressed collectives: the payload wire
 format (codes then scales, b + 32/g bits per element), destination-order chunk layout, sums over
 peers, the two-level reduce-scatter on every topology (its shards approximate the exact
-reduce-scatter, and the Hadamard transform helps with outliers), and the weight all-gather."""
+reduce-scatter, and the Hadamard transform helps with outliers), and the weight all-gather (its
+apply reads local-major rows as the same rows put in rank order)."""
 
 import pytest
 import torch
@@ -163,3 +164,19 @@ def test_weight_apply_is_in_place_and_identical_for_every_receiver():
     assert torch_weight_update_apply(payload, a, 4, 2048, additive=False) is a
     torch_weight_update_apply(payload, b, 4, 2048, additive=False)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ranks, nodes", [(4, 2), (6, 2), (6, 3), (8, 4), (6, 1), (6, 6)])
+@pytest.mark.parametrize("additive", [True, False])
+def test_weight_apply_of_local_major_rows_is_the_apply_of_those_rows_in_rank_order(ranks, nodes, additive):
+    """Rank m * L + l's row lies at l * M + m (M = nodes, L = ranks // nodes): moved to row
+    m * L + l, the rank-order apply gives the same weights, bit for bit."""
+    shard, local = 256, ranks // nodes
+    payload = encode_rows(_randn(ranks, shard, seed=ranks), 4, 128, "nearest", 0)
+    weights = _randn(ranks * shard, seed=1).to(torch.bfloat16)
+    rank_order = payload[[(rank % local) * nodes + rank // local for rank in range(ranks)]]
+    expected = torch_weight_update_apply(rank_order, weights.clone(), 4, 128, additive)
+    got = torch_weight_update_apply(payload, weights.clone(), 4, 128, additive, nodes=nodes)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    if 1 < nodes < ranks:  # the order matters: read in rank order, these rows give other weights
+        assert not torch.equal(torch_weight_update_apply(payload, weights.clone(), 4, 128, additive), expected)

@@ -24,6 +24,7 @@ S = shard size, bucket numel N = W*S):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -156,18 +157,24 @@ def torch_weight_update_encode(
     return _encode(target, bits, group_size, rounding, seed, scratch=target)
 
 
-def torch_weight_update_apply(payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool) -> Tensor:
+def torch_weight_update_apply(
+    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+) -> Tensor:
     """Receiver side: dequantize the gathered payload [W, row_bytes(S)] into weights [W*S], in place.
 
     additive (qWD): weights = dtype(fp32(weights) + difference); otherwise (qW): weights = dtype(values).
     Every rank, the sender included, runs this on the same bytes, so replicas stay bit-identical.
-    Row by row through one fp32 buffer: the sum is computed in fp32 and rounded once to
-    weights.dtype as it is stored, as `copy_` (and `.to()`) round.
+    The rows are local-major [L, M] with M = `nodes`, L = W // nodes (as a two-level all-gather
+    lands them, across nodes first): the shard of rank m * L + l is row l * M + m. nodes = 1 (or
+    W) is rank order. Row by row through one fp32 buffer: the sum is computed in fp32 and rounded
+    once to weights.dtype as it is stored, as `copy_` (and `.to()`) round.
     """
     rows = payload.shape[0]
     shard = weights.numel() // rows
+    # [L, M, row] transposed to [M, L, row]: the rows in rank order, as views (no bytes move).
+    by_node = payload.view(rows // nodes, nodes, -1).transpose(0, 1)
     values = torch.empty(shard, device=weights.device)
-    for row, target in zip(payload, weights.view(rows, shard), strict=True):
+    for row, target in zip(itertools.chain.from_iterable(by_node), weights.view(rows, shard), strict=True):
         _decode_row(row, bits, group_size, shard, out=values)
         if additive:
             torch.add(values, target, out=target)
