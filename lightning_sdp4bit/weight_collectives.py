@@ -8,6 +8,7 @@ several nodes of several ranks (`_RowGather`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -23,8 +24,10 @@ __all__ = ["PlainWeightAllGather", "QuantizedWeightAllGather", "weight_collectiv
 
 
 class _RowGather:
-    """All-gather one row [R] per rank into rows [W, R], in rank order: flat over the world, or
-    in two levels when there are several nodes of several ranks (`_TwoLevelGather`).
+    """All-gather one row [R] per rank into rows [W, R]: flat over the world, or in two levels
+    when there are several nodes of several ranks (`_TwoLevelGather`). The rows are in rank order,
+    or, in two levels for a caller that reads them only through `finish` and takes them so, in
+    the local-major order they land in.
 
     Why two levels: a flat all-gather brings each rank the W - 1 other rows, all charged to the
     network when the group spans nodes. Gathering first across nodes (the M ranks at this local
@@ -43,32 +46,49 @@ class _RowGather:
         row: torch.Tensor,
         elements: int,
         uncompressed: int,
-        finish: Callable[[], None] | None = None,
+        finish: Callable[[int], None] | None = None,
+        local_major: bool = False,
     ) -> Pending:
         """`row` [R] (a fresh tensor: the exchange keeps it alive) stands for `elements` values
-        that would travel as `uncompressed` bytes; `finish` runs once `rows` [W, R] is complete
-        (on the side stream where the gather has one, `_TwoLevelGather`)."""
+        that would travel as `uncompressed` bytes; `finish(nodes)` runs once `rows` [W, R] is
+        complete (on the side stream where the gather has one, `_TwoLevelGather`). With
+        `local_major`, a two-level gather leaves the rows as they land, [L, M, R] (rank m * L + l's
+        row at l * M + m), and `nodes` is M; otherwise they are in rank order and `nodes` is 1:
+        the layout as `ops.weight_update_apply` takes it."""
         self.meter.record("weight", row.nbytes, elements, uncompressed)
         if self.topology.two_level:
             # Counted now, with the step that sends it, although on the CPU it goes out later.
             nodes = self.topology.nodes
             self.meter.record("weight_intra", nodes * row.nbytes, nodes * elements, nodes * uncompressed)
-            return _TwoLevelGather(self, rows, row, finish)
+            return _TwoLevelGather(self, rows, row, finish, local_major)
         work = comm.all_gather(rows.view(-1), row, group=self.groups.world, async_op=True)
-        return SingleStage(work, finish, keepalive=row)
+        in_rank_order = None if finish is None else functools.partial(finish, 1)
+        return SingleStage(work, in_rank_order, keepalive=row)
 
 
 class _TwoLevelGather(TwoStage):
     """Stage 1 at start: the inter-node all-gather of `row` -> [M, R] (this local index's rows, by
-    node). Stage 2: the intra-node all-gather of those blocks -> [L, M, R] (local-major), then a
-    transposed copy into `rows` viewed [M, L, R] (rank = node * L + local), then `finish`. On a
-    stream, the copy and `finish` (the dequantization into the weights) are queued there too, and
-    the caller's stream waits for them in `wait`: they run beside the forward's kernels rather
-    than between them (at 1.3B on 2 x 4 H200s, -0.8 ms a compute-only step)."""
+    node). Stage 2: the intra-node all-gather of those blocks -> [L, M, R] (local-major), then
+    `finish`. With `local_major` the blocks land in `rows` itself and `finish` reads them there
+    (nodes = M); otherwise they land in a buffer of their own and a transposed copy puts them into
+    `rows` viewed [M, L, R] (rank = node * L + local) first: the uncompressed gather's rows are
+    the model weights, which must be in rank order. Reading them in place spares the quantized
+    gather that copy, a read and a write of every gathered byte (at 1.3B, 0.65 GB of 4-bit rows:
+    1.3 GB of memory traffic a step, and a launch per bucket). On a stream, the copy and `finish`
+    (the dequantization into the weights) are queued there too, and the caller's stream waits for
+    them in `wait`: they run beside the forward's kernels rather than between them (at 1.3B on
+    2 x 4 H200s, -0.8 ms a compute-only step)."""
 
-    def __init__(self, owner: _RowGather, rows: torch.Tensor, row: torch.Tensor, finish: Callable[[], None] | None):
+    def __init__(
+        self,
+        owner: _RowGather,
+        rows: torch.Tensor,
+        row: torch.Tensor,
+        finish: Callable[[int], None] | None,
+        local_major: bool,
+    ):
         topo = owner.topology
-        self._owner, self._rows, self._finish = owner, rows, finish
+        self._owner, self._rows, self._finish, self._local_major = owner, rows, finish, local_major
         self._sent: torch.Tensor | None = row  # the tensors stay alive until the rows are complete
         self._across: torch.Tensor | None = row.new_empty((topo.nodes, row.numel()))
         self._node: torch.Tensor | None = None
@@ -78,25 +98,32 @@ class _TwoLevelGather(TwoStage):
 
     def _second_stage(self) -> None:
         topo, across = self._owner.topology, self._across
-        self._node = across.new_empty((topo.ranks_per_node, topo.nodes, across.shape[1]))
+        # Stage 2's output [L, M, R]: `rows` itself where the caller reads it local-major, else a
+        # buffer that `_land` copies into rank order.
+        if self._local_major:
+            self._node = self._rows
+        else:
+            self._node = across.new_empty((topo.ranks_per_node, topo.nodes, across.shape[1]))
         group = self._owner.groups.intra
         self._work = comm.all_gather(self._node.view(-1), across.view(-1), group=group, async_op=True)
         if self._stream is not None:
-            self._place()
-            if self._finish is not None:
-                self._finish()
-                self._finish = None
+            self._land()
             self._landed = torch.cuda.Event()
             self._landed.record(self._stream)  # the current stream here (`_begin`)
 
-    def _place(self) -> None:
-        """Wait for stage 2 (on the current stream), then copy the blocks into rank order."""
+    def _land(self) -> None:
+        """Wait for stage 2 (on the current stream), copy the blocks into rank order unless the
+        caller takes them local-major, then run `finish`."""
         self._work.wait()
         topo = self._owner.topology
-        # As words (as_words says why): as bytes, at 1.3B and W = 64, this copy took 1.49 ms a step,
-        # 40 us a bucket, in the chain each forward wait depends on.
-        rows, node = as_words(self._rows, self._node)
-        rows.view(topo.nodes, topo.ranks_per_node, -1).copy_(node.transpose(0, 1))
+        if not self._local_major:
+            # As words (as_words says why): as bytes, at 1.3B and W = 64, this copy took 1.49 ms a
+            # step, 40 us a bucket, in the chain each forward wait depends on.
+            rows, node = as_words(self._rows, self._node)
+            rows.view(topo.nodes, topo.ranks_per_node, -1).copy_(node.transpose(0, 1))
+        if self._finish is not None:
+            self._finish(topo.nodes if self._local_major else 1)
+            self._finish = None
 
     def _complete(self) -> None:
         if self._landed is not None:
@@ -104,14 +131,13 @@ class _TwoLevelGather(TwoStage):
             # stream waits for it, the tensors may go back to the allocator in its order.
             torch.cuda.current_stream(self._stream.device_index).wait_event(self._landed)
         else:
-            self._place()
+            self._land()
         self._sent = self._across = self._node = None
-        if self._finish is not None:
-            self._finish()
 
 
 class PlainWeightAllGather:
-    """All-gather the master shards, rounded to the weights' dtype, straight into the weights."""
+    """All-gather the master shards, rounded to the weights' dtype, straight into the weights (in
+    two levels through one copy into rank order, the weights' own order)."""
 
     def __init__(
         self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None = None
@@ -127,7 +153,8 @@ class PlainWeightAllGather:
 
 class QuantizedWeightAllGather:
     """qWD (additive=True) or qW (additive=False): all-gather quantized codes and scales, then
-    every rank, the sender included, dequantizes them into its weights in place."""
+    every rank, the sender included, dequantizes them into its weights in place, reading the
+    gathered rows in the order they land (local-major in two levels)."""
 
     def __init__(
         self,
@@ -152,12 +179,13 @@ class QuantizedWeightAllGather:
         gathered = payload.new_empty((bucket.layout.world_size, payload.shape[1]))
         shard = bucket.layout.shard_numel
 
-        def apply() -> None:
+        def apply(nodes: int) -> None:
             ops.weight_update_apply(
-                gathered, bucket.weights, config.weight_bits, config.weight_group_size, self._additive
+                gathered, bucket.weights, config.weight_bits, config.weight_group_size, self._additive, nodes
             )
 
-        return self._gather.start(gathered, payload.view(-1), shard, shard * bucket.weights.element_size(), apply)
+        uncompressed = shard * bucket.weights.element_size()
+        return self._gather.start(gathered, payload.view(-1), shard, uncompressed, apply, local_major=True)
 
 
 def weight_collective_for(

@@ -4,21 +4,23 @@ rounding) over a grid of bits x group size x Hadamard on/off, on 4 processes as 
 4 x 1 and 1 x 4, and on 3 processes as 3 odd nodes; the chunk layout gives the same contiguous
 shard as the uncompressed reduce-scatter; the qWD, qW and plain all-gathers equal the simulation
 on the same topologies, in two levels (one row per rank across nodes) where there are several
-nodes of several ranks; and the paper's Counterexample 4.1 through the library's weight
-all-gather."""
+nodes of several ranks, where only the plain one copies the rows into rank order (the quantized
+ones dequantize them where they land); and the paper's Counterexample 4.1 through the library's
+weight all-gather."""
 
 import contextlib
 import itertools
 import random
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
 from distributed import run_workers
 from torch import nn
 
-from lightning_sdp4bit import SDP4BitConfig, comm
-from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
+from lightning_sdp4bit import SDP4BitConfig, comm, weight_collectives
+from lightning_sdp4bit.buffers import allocate_buckets, as_words, plan_buckets
 from lightning_sdp4bit.collectives import PlainGradReduceScatter, Stage, TwoLevelGradReduceScatter
 from lightning_sdp4bit.reference.ops import payload_row_bytes, stage_seed
 from lightning_sdp4bit.reference.simulate import simulate_two_level_reduce_scatter, simulate_weight_all_gather
@@ -127,7 +129,7 @@ def _bytes_by_group(collective: str, groups) -> Iterator[dict[str, int]]:
 
 def _weight_all_gathers(rank, world, ranks_per_node):
     """qWD, qW and the plain all-gather on one topology: (name, equal to the simulation, master
-    untouched, {group: input bytes} through a patched comm.all_gather)."""
+    untouched, {group: input bytes} through a patched comm.all_gather, copies into rank order)."""
     topology = Topology(rank, world, ranks_per_node)
     groups = create_process_groups(topology)
     config = SDP4BitConfig(weight_bits=4, weight_group_size=256, rounding="nearest")
@@ -151,13 +153,15 @@ def _weight_all_gathers(rank, world, ranks_per_node):
             expected = simulate_weight_all_gather(
                 masters, before, additive=additive, bits=4, group_size=256, rounding="nearest"
             )
-        with _bytes_by_group("all_gather", groups) as sent:
+        with (
+            _bytes_by_group("all_gather", groups) as sent,
+            mock.patch.object(weight_collectives, "as_words", wraps=as_words) as copies,
+        ):
             pending = collective.start(bucket, step=0)
             pending.progress()
             pending.wait()
-        results.append(
-            (name, torch.equal(bucket.weights, expected), torch.equal(bucket.master, masters[rank]), dict(sent))
-        )
+        equal, master_untouched = torch.equal(bucket.weights, expected), torch.equal(bucket.master, masters[rank])
+        results.append((name, equal, master_untouched, dict(sent), copies.call_count))
     return results
 
 
@@ -190,18 +194,20 @@ def exchanges(request):
 
 def test_weight_all_gathers_equal_the_simulation_and_cross_nodes_once(exchanges):
     """Bit for bit on every topology. With 2 nodes x 2 the all-gather goes in two levels: this
-    rank's own row once across nodes, then the node's two rows inside it; one node or one rank
-    per node is one all-gather over the world."""
+    rank's own row once across nodes, then the node's two rows inside it, which only the plain
+    gather copies into rank order (the quantized ones read them where they land); one node or one
+    rank per node is one all-gather over the world, in rank order."""
     world, ranks_per_node, results = exchanges
     for result in results:
-        for name, equal, master_untouched, sent in result["weights"]:
+        for name, equal, master_untouched, sent, copies in result["weights"]:
             assert equal and master_untouched, name
             shard = 3072 // world  # 3000 elements padded to whole 256-groups per rank
             row = 2 * shard if name == "plain" else payload_row_bytes(shard, bits=4, group_size=256)
             if ranks_per_node in (1, world):
-                assert sent == {"world": row}, name
+                assert sent == {"world": row} and copies == 0, name
             else:
                 assert sent == {"inter": row, "intra": 2 * row}, name
+                assert copies == (1 if name == "plain" else 0), name
 
 
 def test_plain_reduce_scatter_gives_each_rank_its_shard_of_the_mean_and_crosses_nodes_once(exchanges):

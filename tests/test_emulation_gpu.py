@@ -117,9 +117,9 @@ def test_the_middle_stage_on_the_exchange_stream_gives_the_host_driven_shards(qu
 @pytest.mark.parametrize("quantized", [True, False], ids=["qWD", "plain"])
 def test_the_weight_all_gathers_second_stage_on_the_exchange_stream_gives_the_host_driven_weights(quantized):
     """Four buckets' two-level weight all-gathers in flight at once (each stage waiting on the
-    GPU for its bytes), behind matmuls on the compute stream: with the intra-node stage, the
-    copy into rank order and (qWD) the dequantization into the weights queued on the exchange
-    stream, the weights equal the host-driven ones."""
+    GPU for its bytes), behind matmuls on the compute stream: with the intra-node stage and then
+    the copy into rank order (plain) or the dequantization of the rows where they landed (qWD)
+    queued on the exchange stream, the weights equal the host-driven ones."""
     device, topology, network, config, buckets, generator = _four_buckets_over_slow_links()
     weights = [torch.randn(b.layout.numel, generator=generator, device=device).bfloat16() for b in buckets]
     masters = [torch.randn(b.master.shape, generator=generator, device=device) for b in buckets]
