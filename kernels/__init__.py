@@ -14,7 +14,7 @@ composes with torch.compile. `lightning_sdp4bit.ops` routes CUDA tensors here.
 | op | file | does, in one pass |
 |---|---|---|
 | `weight_update_encode` | weight_update.py | master - weights -> quantize -> payload |
-| `weight_update_apply` | weight_update.py | payload -> dequantize -> add into the weights, in place |
+| `weight_update_apply` | weight_update.py | payload -> dequantize -> add into the weights (and `applied`), in place |
 | `grad_encode` | grad_encode.py | Hadamard -> quantize -> payload in destination order |
 | `grad_encode_pieces` | grad_encode.py | the same, reading a bucket's gradients where they lie |
 | `grad_requantize` | grad_reduce.py | dequantize -> sum over peers -> re-quantize |

@@ -19,6 +19,7 @@ __all__ = [
     "LaunchConfig",
     "MAX_GRID_Y",
     "SPLIT_THREAD_ROW",
+    "check_disjoint",
     "check_group_and_hadamard",
     "check_payload",
     "check_rounding",
@@ -174,6 +175,17 @@ def check_payload(name: str, payload: Tensor, bits: int, group_size: int, rows: 
             f"{bits}-bit codes (each group takes {group_size * bits // 8 + 4} bytes)"
         )
     return numel
+
+
+def check_disjoint(name: str, tensor: Tensor, other_name: str, other: Tensor) -> None:
+    """Raise unless the contiguous `tensor` and `other` share no byte: a kernel that stores into
+    both would otherwise leave whichever store came last, in no defined order.
+
+    Called inside the custom ops, as `word_views` (torch.compile's fake tensors have no address).
+    """
+    start, other_start = tensor.data_ptr(), other.data_ptr()
+    if start < other_start + other.nbytes and other_start < start + tensor.nbytes:
+        raise ValueError(f"{name} must not overlap {other_name} in memory: the op stores into both")
 
 
 def word_views(name: str, payload: Tensor) -> tuple[Tensor, Tensor]:

@@ -5,13 +5,16 @@
 - `weight_update_apply`, every receiver: the gathered payload [W, row_bytes(S)] dequantized and
   added into the model weights [W*S] in place (the addition is fused into the dequantizer). Its
   rows may be in rank order or local-major, as a two-level all-gather lands them (`nodes`), so
-  that nothing has to put them in rank order first.
+  that nothing has to put them in rank order first. Given `applied` [S], it also stores the
+  values of rank `rank`'s shard there: the engine's applied shard, which a separate copy from the
+  weights would read and write again.
 
 Twins: `torch_weight_update_encode` and `torch_weight_update_apply` in
 `lightning_sdp4bit.reference.ops`, which define the semantics and the payload format.
 
 Bytes each moves per weight: encode reads 4 (fp32 master) + 2 (bf16 weights) and writes
-bits/8 + 4/group; apply reads bits/8 + 4/group + 2 and writes 2 (bf16 weights).
+bits/8 + 4/group; apply reads bits/8 + 4/group + 2 and writes 2 (bf16 weights), plus 2 per weight
+of the own shard into `applied` (2/W per weight of the bucket).
 """
 
 import torch
@@ -34,6 +37,7 @@ from ._columns import (
 from ._common import (
     SPLIT_THREAD_ROW,
     LaunchConfig,
+    check_disjoint,
     check_group_and_hadamard,
     check_payload,
     check_rounding,
@@ -87,11 +91,13 @@ def _encode_kernel(
     tl.store(scales_ptr + code_words + groups, scales, mask=groups < thread_rows // (GROUP // T))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["applied_rank"])
 def _apply_kernel(
     words_ptr,  # the gathered payload [W, row_bytes] viewed as int32 words
     scales_ptr,  # the same payload viewed as fp32
     weights_ptr,  # bf16 or fp32 [W * S], updated in place
+    applied_ptr,  # the weights' dtype [S]: receives shard `applied_rank`; unused without HAS_APPLIED
+    applied_rank,  # in rank order, whatever the payload's row order
     thread_rows,  # W * S // T
     shard_rows,  # S // T: thread rows per payload row
     row_units,  # row_bytes // (4 * ROW_UNIT)
@@ -100,6 +106,7 @@ def _apply_kernel(
     nodes,  # M = W // L
     ROW_UNIT: tl.constexpr,  # words; see _common.row_length
     ADDITIVE: tl.constexpr,
+    HAS_APPLIED: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     T: tl.constexpr,
@@ -123,6 +130,12 @@ def _apply_kernel(
             total = total + (weights[i] + values[i],)
         values = total
     store_columns(weights_ptr, first, live, values, T)
+    if HAS_APPLIED:
+        # The same values again where this thread row is in shard `applied_rank` (cast to the same
+        # dtype, so bit for bit): a masked store per row, where a copy after the kernel would read
+        # and write 2 x S bytes (bf16) in a launch of its own.
+        own = live & (rank == applied_rank)
+        store_columns(applied_ptr, local.to(tl.int64) * T, own, values, T)
 
 
 def _weight_update_encode(
@@ -166,8 +179,17 @@ def _(master, weights, bits, group_size, rounding, seed):
 
 
 def _weight_update_apply(
-    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+    payload: Tensor,
+    weights: Tensor,
+    bits: int,
+    group_size: int,
+    additive: bool,
+    nodes: int = 1,
+    applied: Tensor | None = None,
+    rank: int = 0,
 ) -> None:
+    if applied is not None:
+        check_disjoint("applied", applied, "weights", weights)
     # It only dequantizes, so a thread row can be one 16-byte vector of weights (and at least one
     # word of codes): a warp's accesses are then contiguous, where 64-byte bf16 rows left half of
     # every sector to a later load, and the loads came late enough to miss L1 (61-66% of the
@@ -181,13 +203,16 @@ def _weight_update_apply(
     # kernel. Triton compiles an integer argument equal to 1 as that constant, so the rank-order
     # launch (given as L = 1, for nodes = 1 as for nodes = W) folds the remap away: it is the
     # kernel as it was. Local-major, the remap costs two integer divisions per thread row (16 bytes
-    # of weights), beside the row's loads.
+    # of weights), beside the row's loads. `rank` too (Triton specializes none of its values: one
+    # kernel for every rank); only whether there is an `applied` is a constexpr.
     ranks_per_node = ranks // nodes if 1 < nodes < ranks else 1
     launch(
         _apply_kernel,
         config.grid(weights.numel() // config.thread_row),
         *word_views("payload", payload),
         weights,
+        weights if applied is None else applied,
+        rank,
         weights.numel() // config.thread_row,
         shard // config.thread_row,
         row_units,
@@ -196,6 +221,7 @@ def _weight_update_apply(
         ranks // ranks_per_node,
         ROW_UNIT=unit,
         ADDITIVE=additive,
+        HAS_APPLIED=applied is not None,
         BITS=bits,
         GROUP=group_size,
         T=config.thread_row,
@@ -205,12 +231,12 @@ def _weight_update_apply(
 
 
 _weight_update_apply_op = torch.library.custom_op(
-    "sdp4bit::weight_update_apply", _weight_update_apply, mutates_args=("weights",)
+    "sdp4bit::weight_update_apply", _weight_update_apply, mutates_args=("weights", "applied")
 )
 
 
 @_weight_update_apply_op.register_fake
-def _(payload, weights, bits, group_size, additive, nodes=1):
+def _(payload, weights, bits, group_size, additive, nodes=1, applied=None, rank=0):
     return None
 
 
@@ -240,7 +266,14 @@ def weight_update_encode(
 
 
 def weight_update_apply(
-    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+    payload: Tensor,
+    weights: Tensor,
+    bits: int,
+    group_size: int,
+    additive: bool,
+    nodes: int = 1,
+    applied: Tensor | None = None,
+    rank: int = 0,
 ) -> Tensor:
     """Receiver side: dequantize the gathered payload [W, row_bytes(S)] into weights [W*S], in place.
 
@@ -248,8 +281,11 @@ def weight_update_apply(
     dtype(code * scale). weights: bf16 or fp32. The payload's rows are local-major [L, M] with
     M = `nodes` and L = W // nodes, as a two-level all-gather lands them: the shard of rank
     m * L + l, weights[(m*L + l)*S:][:S], is payload row l * M + m. nodes = 1 (or W) is rank
-    order. Returns `weights`. Equals `torch_weight_update_apply` bit for bit, so replicas stay
-    identical.
+    order. With `applied` ([S], the weights' dtype and device, apart from them in memory), the
+    values stored into the shard of `rank` (in rank order, whatever `nodes`: weights[rank*S:][:S])
+    are stored there too, bit for bit. Returns `weights`. Equals `torch_weight_update_apply` bit
+    for bit, so replicas stay identical. Raises ValueError, naming the parameter, for bad
+    arguments (an `applied` that overlaps the weights when the op runs: see `check_disjoint`).
     """
     check_bits("bits", bits)
     check_group_and_hadamard(group_size)
@@ -268,5 +304,16 @@ def weight_update_apply(
             f"nodes must be a positive integer that divides the payload's {ranks} rows (1 for rows in rank "
             f"order), got {nodes!r}"
         )
-    eager(_weight_update_apply_op, _weight_update_apply)(payload, weights, bits, group_size, additive, nodes)
+    if applied is not None:
+        check_tensor("applied", applied, _WEIGHT_DTYPES, 1)
+        if applied.dtype != weights.dtype or applied.numel() != numel or applied.device != weights.device:
+            want, got = (str(t.dtype).removeprefix("torch.") for t in (weights, applied))
+            raise ValueError(
+                f"applied must be one shard of the weights, [{numel}] of {want} on {weights.device}, "
+                f"got [{applied.numel()}] of {got} on {applied.device}"
+            )
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise ValueError(f"rank must be an integer in [0, {ranks}) (one of the payload's rows), got {rank!r}")
+    op = eager(_weight_update_apply_op, _weight_update_apply)
+    op(payload, weights, bits, group_size, additive, nodes, applied, rank)
     return weights

@@ -82,15 +82,24 @@ def weight_update_encode(
 
 
 def weight_update_apply(
-    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+    payload: Tensor,
+    weights: Tensor,
+    bits: int,
+    group_size: int,
+    additive: bool,
+    nodes: int = 1,
+    applied: Tensor | None = None,
+    rank: int = 0,
 ) -> Tensor:
     """Dequantize the gathered payload [W, row] into the weights [W*S], in place; its rows in rank
-    order (nodes = 1) or local-major [L, M] over M = `nodes` nodes, as a two-level gather lands them."""
+    order (nodes = 1) or local-major [L, M] over M = `nodes` nodes, as a two-level gather lands them.
+    `applied` [S], if given, receives what was stored into rank `rank`'s shard (rank order)."""
+    args = (payload, weights, bits, group_size, additive, nodes, applied, rank)
     if _on_kernels(weights):
         from lightning_sdp4bit.kernels import weight_update_apply as kernel
 
-        return kernel(payload, weights, bits, group_size, additive, nodes)
-    return reference.torch_weight_update_apply(payload, weights, bits, group_size, additive, nodes)
+        return kernel(*args)
+    return reference.torch_weight_update_apply(*args)
 
 
 def grad_encode(

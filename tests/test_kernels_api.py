@@ -3,7 +3,7 @@
 Checks:
 - every bad argument raises a ValueError that names the parameter (bits, in_bits, out_bits,
   group_size, hadamard_size, rounding, seed, master, weights, grad, outer, chunks, payload, out,
-  additive, nodes);
+  additive, nodes, applied, rank);
 - a group holding NaN or Inf gets a non-finite scale (the other groups stay exact), and a
   non-finite scale in a received payload stays visible in what is decoded from it;
 - the inverse Hadamard transform in grad_decode_sum: its error against an fp64 reference is at
@@ -59,6 +59,7 @@ def _bad_calls():
     req = kernels.grad_requantize
     dec = kernels.grad_decode_sum
     out = torch.empty(256, device=DEVICE)
+    replicas, own = torch.zeros(512, device=DEVICE), torch.zeros(256, device=DEVICE)  # weights [2 x 256], a shard
 
     def pieces(grads, starts, numel, scale=1.0):
         return kernels.grad_encode_pieces(grads, starts, numel, 2, 2, 32, 8, 128, "nearest", 0, scale)
@@ -83,6 +84,18 @@ def _bad_calls():
         ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, 3)),  # 2 rows
         ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, 2.0)),
         ("nodes", lambda: app(PAYLOAD8, torch.zeros(512, device=DEVICE), 8, 128, True, True)),
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own.bfloat16())),  # not the weights' dtype
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own[:255])),
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, replicas)),  # the whole bucket
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own.view(2, 128))),
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, torch.empty(256, device="meta"))),
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own.tolist())),
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, replicas[256:])),  # the weights' own shard
+        ("applied", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, replicas[128:384])),  # straddling two
+        ("rank", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own, 2)),  # 2 rows
+        ("rank", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own, -1)),
+        ("rank", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own, 1.0)),
+        ("rank", lambda: app(PAYLOAD8, replicas, 8, 128, True, 1, own, True)),
         ("hadamard_size", lambda: genc(MASTER, 1, 2, 48, 8, 128, "nearest", 0)),
         ("hadamard_size", lambda: genc(MASTER, 1, 2, 256, 8, 128, "nearest", 0)),
         ("hadamard_size", lambda: genc(_randn(1024), 1, 2, 512, 8, 512, "nearest", 0)),
@@ -173,7 +186,7 @@ def test_inverse_hadamard_error_is_within_twice_pytorch_fp32_error(hadamard_size
 
 def _pipeline(master, weights, grad):
     """Every op once, as one rank's step would call them (two nodes of two ranks, one shard each),
-    and the weight apply once more on four local-major rows."""
+    and the weight apply once more on four local-major rows, storing rank 1's shard apart too."""
     update = kernels.weight_update_encode(master, weights, 4, 128, "nearest", 0)
     weights = kernels.weight_update_apply(update, weights, 4, 128, True)
     stage1 = kernels.grad_encode(grad, 2, 2, 32, 8, 128, "nearest", 0)
@@ -181,8 +194,10 @@ def _pipeline(master, weights, grad):
     stage2 = kernels.grad_requantize(stage1, 8, 4, 128, 2, "nearest", 0)
     shard = kernels.grad_decode_sum(stage2, 4, 128, 32, torch.empty(256, device=grad.device))
     # Rows [a, b, a, b] as 2 nodes x 2 land them: weights [a, a, b, b] (rank order would give [a, b, a, b]).
-    replicas = kernels.weight_update_apply(stage1.repeat(2, 1), torch.zeros(2048, device=grad.device), 8, 128, False, 2)
-    return update, weights, stage1, in_place, stage2, shard, replicas
+    own = torch.empty(512, device=grad.device)  # rank 1's shard: a
+    replicas = torch.zeros(2048, device=grad.device)
+    replicas = kernels.weight_update_apply(stage1.repeat(2, 1), replicas, 8, 128, False, 2, applied=own, rank=1)
+    return update, weights, stage1, in_place, stage2, shard, replicas, own
 
 
 def test_ops_are_custom_ops_that_compile_in_one_graph():
@@ -196,6 +211,8 @@ def test_ops_are_custom_ops_that_compile_in_one_graph():
     compiled = torch.compile(_pipeline, backend="aot_eager", fullgraph=True)(master, weights.clone(), grad)
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
+    replicas, own = compiled[-2:]
+    assert torch.equal(own, replicas[512:1024]) and torch.equal(own, replicas[:512])
 
 
 @pytest.mark.gpu

@@ -8,6 +8,9 @@ programs with a partial last one):
 - in-place results (weights, gradient shard) identical, every element written;
 - weight_update_apply on payload rows in local-major order (as a two-level all-gather lands them)
   for several (ranks, nodes), rank order (nodes 1 or W) among them;
+- weight_update_apply with `applied`: for several (ranks, nodes, rank), the first and last rank
+  among them, the shard it receives is the twin's and the weights' own shard of that rank (in
+  rank order) bit for bit, and the weights are those of the call without it;
 - exact ties round half to even, all-zero groups get scale 0 and codes 0;
 - grad_encode_pieces, reading a bucket's gradients where they lie (some below the first, a slot
   with none, padding), gives the bytes of grad_encode of the assembled bucket, with either
@@ -118,6 +121,38 @@ def test_weight_update_apply_reads_local_major_rows_as_the_reference(
     out = weights.clone()
     assert kernels.weight_update_apply(payload, out, *args) is out
     _bits_equal(out, expected)
+
+
+# (bits, group_size, ranks W, nodes M, rank, shard numel S, weights dtype, additive)
+APPLIED_CASES = [
+    (4, 2048, 8, 2, 0, 2048, torch.bfloat16, True),  # the paper's qWD on 2 nodes x 4, the first rank
+    (4, 2048, 8, 2, 7, 2048, torch.bfloat16, True),  # ... the last rank
+    (2, 32, 6, 3, 1, 37 * 32, torch.float32, True),  # 3 nodes x 2: rank 1's row is payload row 3
+    (8, 128, 6, 2, 4, 77 * 128, torch.bfloat16, False),  # 2 nodes x 3, three programs a shard
+    (4, 64, 5, 1, 4, 3 * 64, torch.float32, False),  # rank order, the last rank
+    (8, 512, 1, 1, 0, 9 * 512, torch.bfloat16, True),  # one rank: the whole payload is its shard
+    (2, 64, 6, 6, 2, 2 * 64, torch.bfloat16, False),  # one rank per node: rank order too
+    (8, 32, 4, 2, 3, 5 * 32, torch.float32, True),  # shards straddle programs of R thread rows
+]
+
+
+@pytest.mark.parametrize("bits, group_size, ranks, nodes, rank, numel, dtype, additive", APPLIED_CASES)
+def test_weight_update_apply_stores_the_own_shard_into_applied_as_the_reference(
+    bits, group_size, ranks, nodes, rank, numel, dtype, additive
+):
+    payload = _payload(ranks, numel, bits, group_size, 10)
+    weights = _gradient_like(ranks * numel, 11, dtype)
+    args = (bits, group_size, additive, nodes)
+    poison = torch.full((numel,), float("nan"), dtype=dtype)  # every element must be written
+    expected_applied = poison.clone()
+    expected = _spec(reference.torch_weight_update_apply, payload, weights.clone(), *args, expected_applied, rank)
+    without = kernels.weight_update_apply(payload, weights.clone(), *args)
+    out, applied = weights.clone(), poison.to(DEVICE)
+    assert kernels.weight_update_apply(payload, out, *args, applied, rank) is out
+    _bits_equal(out, expected)
+    _bits_equal(out, without)
+    _bits_equal(applied.cpu(), expected_applied)
+    _bits_equal(applied, out[rank * numel : (rank + 1) * numel])
 
 
 # (bits, group_size, hadamard_size, outer, chunks, shard numel S, grad dtype)

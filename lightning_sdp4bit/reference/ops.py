@@ -158,7 +158,14 @@ def torch_weight_update_encode(
 
 
 def torch_weight_update_apply(
-    payload: Tensor, weights: Tensor, bits: int, group_size: int, additive: bool, nodes: int = 1
+    payload: Tensor,
+    weights: Tensor,
+    bits: int,
+    group_size: int,
+    additive: bool,
+    nodes: int = 1,
+    applied: Tensor | None = None,
+    rank: int = 0,
 ) -> Tensor:
     """Receiver side: dequantize the gathered payload [W, row_bytes(S)] into weights [W*S], in place.
 
@@ -167,7 +174,10 @@ def torch_weight_update_apply(
     The rows are local-major [L, M] with M = `nodes`, L = W // nodes (as a two-level all-gather
     lands them, across nodes first): the shard of rank m * L + l is row l * M + m. nodes = 1 (or
     W) is rank order. Row by row through one fp32 buffer: the sum is computed in fp32 and rounded
-    once to weights.dtype as it is stored, as `copy_` (and `.to()`) round.
+    once to weights.dtype as it is stored, as `copy_` (and `.to()`) round. `applied` [S] (the
+    weights' dtype), if given, receives the shard of `rank` in rank order, weights[rank*S:][:S],
+    as stored: the applied shard of the engine's edit check (`torch_absorb_weight_edits`).
+    Returns weights.
     """
     rows = payload.shape[0]
     shard = weights.numel() // rows
@@ -180,6 +190,8 @@ def torch_weight_update_apply(
             torch.add(values, target, out=target)
         else:
             target.copy_(values)
+    if applied is not None:
+        applied.copy_(weights.view(rows, shard)[rank])
     return weights
 
 
