@@ -18,7 +18,9 @@ Per bucket (N = W * S elements):
   only the buckets between those two moments hold any (the peak is the start of backward, when
   none do yet);
 - master shard, gradient shard: [S] fp32 each;
-- applied shard: [S] in the module's dtype, the weight shard as the last exchange left it.
+- applied shard: [S] in the module's dtype, the weight shard as the last exchange left it,
+  written by that exchange itself (or by the engine where weights change without one: its setup,
+  a checkpoint load), never copied from the weights after a landing.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ class Bucket:
         self.master = weights[lo:hi].float().clone()
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         # What the last weight exchange left in this rank's weight shard [S], in the weights'
-        # dtype: a difference from it is an in-place edit the masters must take in.
+        # dtype: a difference from it is an in-place edit the masters must take in. The exchange
+        # writes it (`weight_collectives`), as it writes the weights; see the module docstring.
         self.applied_shard = weights[lo:hi].clone()
 
     @property

@@ -18,7 +18,8 @@ One optimizer step (N = bucket elements, S = N / world, per bucket; the phases a
    hook, an average copied in) are copied into the fp32 masters (`weight_access.WeightAccess`).
 4. the user's optimizer, re-pointed by `lightning_sdp4bit.optim.shard_optimizer`, steps the
    fp32 master fragments.
-5. `start_weight_sync`: every bucket's all-gather starts (the first layers' buckets first);
+5. `start_weight_sync`: every bucket's all-gather starts (the first layers' buckets first; each
+   also leaves this rank's applied shard, what step 3 compares the weights with);
    forward pre-hooks wait for a module's buckets just before it runs, overlapping the rest, and
    until the next backward the read guard (`open_read_guard`) waits for a bucket at the first
    torch operation that reads one of its parameters elsewhere (an L2 penalty, a functional model).
@@ -139,7 +140,7 @@ class ShardedEngine:
             self._broadcast_from_rank_zero()
             for bucket in self.buckets:
                 bucket.master.copy_(bucket.weight_shard)
-                bucket.applied_shard.copy_(bucket.weight_shard)
+                bucket.applied_shard.copy_(bucket.weight_shard)  # rank 0's: no exchange has run yet
         self.trained_names = [slot.name for b in self.buckets for slot in b.layout.slots]
         self.fragments_by_name = master_fragments(self.buckets, topology.rank, self.trained_names)
         self.optimizer_param_names: list[list[list[str]]] = []  # per re-pointed optimizer, per group
@@ -421,7 +422,11 @@ class ShardedEngine:
         return stats
 
     def weights_loaded(self) -> None:
-        """The weights were written from outside (a checkpoint): take them as the applied ones."""
+        """The weights were written from outside (a checkpoint): take them as the applied ones.
+        No exchange wrote them, so none left the applied shards: they are copied here."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.applied_shard.copy_(bucket.weight_shard)
         for index in range(len(self.buckets)):
             self._weights_landed(index)
 

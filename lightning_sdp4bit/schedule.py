@@ -78,7 +78,8 @@ class BucketSchedule:
 
     `start_grads(index)` and `start_weights(index)` are callables that launch one bucket's
     exchange and return its `Pending`; `on_weights_current(index)` runs once a bucket's new
-    weights have landed (the engine records them as the reference for in-place edit checks).
+    weights have landed (the engine takes its parameters' version counters then, the reference
+    for in-place edit checks with the applied shard that the exchange left).
     `timeouts`: this rank and its groups' timeout, for the error of a wait that times out.
     """
 

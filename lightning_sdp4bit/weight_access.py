@@ -124,7 +124,15 @@ class DataWriteTracker(TorchFunctionMode):
 class WeightAccess:
     """The engine's account of the model weights between its own exchanges: what each bucket's
     all-gather left (the applied shard [S] and every parameter's version counter), the read
-    guard, and whether a read it could not see has made every step wait for all weights."""
+    guard, and whether a read it could not see has made every step wait for all weights.
+
+    The applied shards are written by others: by each weight exchange itself
+    (`weight_collectives`: the dequantization stores this rank's shard there too, on the stream
+    it runs on; the uncompressed gather writes the rounded master shard there and sends it from
+    there), and by the engine where the weights change without one (its setup,
+    `ShardedEngine.weights_loaded`). `absorb` reads them only after waiting for every bucket,
+    which puts the compute stream behind each exchange's landing.
+    """
 
     def __init__(self, buckets: Sequence[Bucket], rank: int, wait: Callable[[Iterable[int] | None], None]):
         self.buckets, self.rank = buckets, rank
@@ -137,10 +145,10 @@ class WeightAccess:
         self._ids = frozenset(id(param) for bucket in buckets for param in bucket.params)
 
     def landed(self, index: int) -> None:
-        """Bucket `index`'s weights are current: they are what the next writes are measured from."""
+        """Bucket `index`'s weights are current: they are what the next writes are measured from.
+        Its applied shard is already theirs (the exchange, or the load, left it); here the guard
+        lets its parameters be read and their version counters are taken."""
         bucket = self.buckets[index]
-        with torch.no_grad():
-            bucket.applied_shard.copy_(bucket.weight_shard)
         self.guard.landed(bucket.params)  # first: reading a version counter is a read the guard sees
         self._versions[index] = [param._version for param in bucket.params]
 

@@ -4,6 +4,12 @@
 the weights' dtype) or quantized (qWD: the 4-bit weight difference from the last exchange; qW:
 the weights themselves), and in either case flat over the world or in two levels when there are
 several nodes of several ranks (`_RowGather`).
+
+Each exchange also leaves the bucket's applied shard (`Bucket.applied_shard`, [S]): what lands in
+this rank's own shard of the weights, against which `WeightAccess.absorb` finds later edits. The
+quantized gathers have the dequantization store it beside the weights; the uncompressed one
+gathers from it. Either way no copy from the weights follows the landing (one read and one write
+of 2 x S bytes a bucket and step, on the compute stream, in the forward's path).
 """
 
 from __future__ import annotations
@@ -49,12 +55,12 @@ class _RowGather:
         finish: Callable[[int], None] | None = None,
         local_major: bool = False,
     ) -> Pending:
-        """`row` [R] (a fresh tensor: the exchange keeps it alive) stands for `elements` values
-        that would travel as `uncompressed` bytes; `finish(nodes)` runs once `rows` [W, R] is
-        complete (on the side stream where the gather has one, `_TwoLevelGather`). With
-        `local_major`, a two-level gather leaves the rows as they land, [L, M, R] (rank m * L + l's
-        row at l * M + m), and `nodes` is M; otherwise they are in rank order and `nodes` is 1:
-        the layout as `ops.weight_update_apply` takes it."""
+        """`row` [R] (apart from `rows`, and not written until they are complete; the exchange
+        keeps it alive) stands for `elements` values that would travel as `uncompressed` bytes;
+        `finish(nodes)` runs once `rows` [W, R] is complete (on the side stream where the gather
+        has one, `_TwoLevelGather`). With `local_major`, a two-level gather leaves the rows as
+        they land, [L, M, R] (rank m * L + l's row at l * M + m), and `nodes` is M; otherwise they
+        are in rank order and `nodes` is 1: the layout as `ops.weight_update_apply` takes it."""
         self.meter.record("weight", row.nbytes, elements, uncompressed)
         if self.topology.two_level:
             # Counted now, with the step that sends it, although on the CPU it goes out later.
@@ -137,7 +143,9 @@ class _TwoLevelGather(TwoStage):
 
 class PlainWeightAllGather:
     """All-gather the master shards, rounded to the weights' dtype, straight into the weights (in
-    two levels through one copy into rank order, the weights' own order)."""
+    two levels through one copy into rank order, the weights' own order). The rounded master shard
+    is written into the applied shard, and gathered from there: it is what lands in this rank's
+    own shard of the weights, byte for byte."""
 
     def __init__(
         self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None = None
@@ -145,8 +153,12 @@ class PlainWeightAllGather:
         self._gather = _RowGather(topology, groups, meter, stream)
 
     def start(self, bucket: Bucket, step: int) -> Pending:
-        # A fresh tensor even when the dtypes match: the input must not alias the output.
-        source = bucket.master.to(bucket.weights.dtype, copy=True)
+        # The applied shard, not a view of the weights (the input must not alias the output),
+        # written here on the caller's stream, before the gather reads it. Nothing writes it again
+        # before the rows are complete: only the next exchange and a load (`weights_loaded`) do,
+        # each after waiting for the weights; `absorb` reads it only after that wait too, so it
+        # never compares the new applied shard with the old weights.
+        source = bucket.applied_shard.copy_(bucket.master)  # rounded to the weights' dtype as `.to` rounds
         rows = bucket.weights.view(bucket.layout.world_size, -1)
         return self._gather.start(rows, source, source.numel(), source.nbytes)
 
@@ -154,7 +166,8 @@ class PlainWeightAllGather:
 class QuantizedWeightAllGather:
     """qWD (additive=True) or qW (additive=False): all-gather quantized codes and scales, then
     every rank, the sender included, dequantizes them into its weights in place, reading the
-    gathered rows in the order they land (local-major in two levels)."""
+    gathered rows in the order they land (local-major in two levels), and stores its own shard's
+    new values into the applied shard as well."""
 
     def __init__(
         self,
@@ -180,8 +193,18 @@ class QuantizedWeightAllGather:
         shard = bucket.layout.shard_numel
 
         def apply(nodes: int) -> None:
+            # Where the gather has a side stream, on it: the compute stream waits for its landed
+            # event before anything reads the weights or the applied shard (`_TwoLevelGather`).
+            # Flat, on the caller's stream inside `wait`.
             ops.weight_update_apply(
-                gathered, bucket.weights, config.weight_bits, config.weight_group_size, self._additive, nodes
+                gathered,
+                bucket.weights,
+                config.weight_bits,
+                config.weight_group_size,
+                self._additive,
+                nodes,
+                applied=bucket.applied_shard,
+                rank=bucket.rank,
             )
 
         uncompressed = shard * bucket.weights.element_size()

@@ -6,7 +6,10 @@ simulation of the math), on 2 nodes x 4, 4 x 2 and 3 x 2:
   the node count; every rank's weights equal, bit for bit, those of the flat gather over the same
   ranks (rows in rank order, nodes = 1);
 - the uncompressed gather still copies the rows into rank order, once per rank: its rows are
-  the weights, which then hold every rank's master shard in rank order.
+  the weights, which then hold every rank's master shard in rank order;
+- every gather (qWD, qW, plain), in two levels and flat, leaves each rank's applied shard equal
+  to its new weight shard bit for bit: the quantized ones through the apply (told this rank's
+  applied shard and rank), the plain one by gathering from it.
 """
 
 from unittest import mock
@@ -44,16 +47,17 @@ def _buckets(world):
 
 def _gather(kind, nodes, local):
     """Run the `kind` weight all-gather ("qWD", "qW" or "plain") on every rank of nodes x local
-    (`local` = nodes x local ranks: flat, one node), as the simulated engine drives it: start on
-    every rank, then progress on every rank, then wait. Returns every rank's weights, the number
-    of copies into rank order (`as_words` calls) and the node counts the dequantization was told."""
+    (one node: flat), as the simulated engine drives it: start on every rank, then progress on
+    every rank, then wait. Returns every rank's bucket, the number of copies into rank order
+    (`as_words` calls) and the node counts the dequantization was told."""
     world = nodes * local
     buckets, told = _buckets(world), []
     apply = ops.weight_update_apply
 
-    def spying(payload, weights, bits, group_size, additive, nodes=1):
+    def spying(payload, weights, bits, group_size, additive, nodes=1, applied=None, rank=0):
         told.append(nodes)
-        return apply(payload, weights, bits, group_size, additive, nodes)
+        assert any(applied is b.applied_shard and rank == b.rank for b in buckets)
+        return apply(payload, weights, bits, group_size, additive, nodes, applied, rank)
 
     with (
         mock.patch.object(weight_collectives, "as_words", wraps=as_words) as copies,
@@ -71,7 +75,7 @@ def _gather(kind, nodes, local):
             exchange.progress()
         for exchange in pending:
             exchange.wait()
-    return [bucket.weights for bucket in buckets], copies.call_count, told
+    return buckets, copies.call_count, told
 
 
 SHAPES = [pytest.param(nodes, local, id=f"{nodes} nodes x {local}") for nodes, local in ((2, 4), (4, 2), (3, 2))]
@@ -81,20 +85,30 @@ SHAPES = [pytest.param(nodes, local, id=f"{nodes} nodes x {local}") for nodes, l
 @pytest.mark.parametrize("kind", ["qWD", "qW"])
 def test_the_quantized_gather_dequantizes_the_rows_where_they_land_with_the_flat_gathers_bits(kind, nodes, local):
     world = nodes * local
-    weights, copies, told = _gather(kind, nodes, local)
+    buckets, copies, told = _gather(kind, nodes, local)
     flat, flat_copies, flat_told = _gather(kind, 1, world)
     assert copies == flat_copies == 0
     assert told == [nodes] * world and flat_told == [1] * world
     for rank in range(world):
-        assert torch.equal(weights[rank].view(torch.int16), flat[rank].view(torch.int16)), rank
-    assert not torch.equal(flat[0], _buckets(world)[0].weights)  # the gather changed them
+        assert torch.equal(buckets[rank].weights.view(torch.int16), flat[rank].weights.view(torch.int16)), rank
+    assert not torch.equal(flat[0].weights, _buckets(world)[0].weights)  # the gather changed them
 
 
 @pytest.mark.parametrize("nodes, local", SHAPES)
 def test_the_plain_gather_still_puts_the_rows_into_rank_order(nodes, local):
     world = nodes * local
-    weights, copies, _ = _gather("plain", nodes, local)
+    buckets, copies, _ = _gather("plain", nodes, local)
     assert copies == world  # one copy per rank
     expected = torch.cat([bucket.master for bucket in _buckets(world)]).bfloat16()
     for rank in range(world):
-        assert torch.equal(weights[rank].view(torch.int16), expected.view(torch.int16)), rank
+        assert torch.equal(buckets[rank].weights.view(torch.int16), expected.view(torch.int16)), rank
+
+
+@pytest.mark.parametrize("nodes, local", [*SHAPES, pytest.param(1, 6, id="flat, 1 node x 6")])
+@pytest.mark.parametrize("kind", ["qWD", "qW", "plain"])
+def test_every_gather_leaves_the_applied_shard_equal_to_the_new_weight_shard(kind, nodes, local):
+    buckets, _, _ = _gather(kind, nodes, local)
+    before = _buckets(nodes * local)
+    for rank, bucket in enumerate(buckets):
+        assert torch.equal(bucket.applied_shard.view(torch.int16), bucket.weight_shard.view(torch.int16)), rank
+        assert not torch.equal(bucket.applied_shard, before[rank].applied_shard), rank  # it was written
