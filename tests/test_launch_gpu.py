@@ -1,8 +1,9 @@
 """kernels._launch on a GPU (skipped elsewhere), against Triton itself.
 
 - Every launch the five ops make, over 16-byte-aligned and 4-byte-aligned payloads, sizes whose
-  counts are 1, multiples of 16 and neither, i32 and i64 seeds, both rounding modes and gathered
-  weight rows in rank order and local-major (1, 2 and 4 nodes of 8 ranks): the compiled
+  counts are 1, multiples of 16 and neither, i32 and i64 seeds, both rounding modes, gathered
+  weight rows in rank order and local-major (1, 2 and 4 nodes of 8 ranks) and the apply with and
+  without an applied shard (of ranks 0, 1 and 3, which Triton must not specialize): the compiled
   kernel `launch` ran is the one Triton's own path picks for the same arguments (its warmup
   run, which compiles or looks up without launching). A signature coarser than Triton's
   specialization would fail here.
@@ -37,13 +38,15 @@ def _offset(payload, nbytes):
 def _every_op(numel, offset, seed, rounding, nodes=2):
     """One call of each op on a bucket of 8 x numel (2 nodes x 4 for the gradients, `nodes` nodes
     of the gathered weight rows' local-major layout), every payload `offset` bytes into its buffer;
-    returns their outputs."""
+    returns their outputs. With the payloads 4 bytes in, the apply also stores rank nodes - 1's
+    shard into an applied shard."""
     generator = torch.Generator(device="cuda").manual_seed(numel)
     master = torch.randn(numel, device="cuda", generator=generator)
     weights = (master + 0.01).bfloat16()
     payload = _offset(kernels.weight_update_encode(master, weights, 4, 128, rounding, seed), offset)
     full = torch.randn(8 * numel, device="cuda", generator=generator).bfloat16()
-    kernels.weight_update_apply(_offset(payload.repeat(8, 1), offset), full, 4, 128, True, nodes)
+    applied = torch.empty(numel, device="cuda", dtype=torch.bfloat16) if offset else None
+    kernels.weight_update_apply(_offset(payload.repeat(8, 1), offset), full, 4, 128, True, nodes, applied, nodes - 1)
     grad = torch.randn(8 * numel, device="cuda", generator=generator)
     intra = _offset(kernels.grad_encode(grad, 2, 4, 32, 8, 128, rounding, seed, 0.125), offset)
     inter = _offset(kernels.grad_requantize(intra, 8, 4, 128, 2, rounding, seed), offset)
@@ -53,7 +56,8 @@ def _every_op(numel, offset, seed, rounding, nodes=2):
 
 
 # Sizes whose thread-row counts are 1, multiples of 16 and neither; i32 and i64 seeds; weight rows
-# in rank order (1 node: the kernel gets L = 1, which Triton compiles as a constant) or not.
+# in rank order (1 node: the kernel gets L = 1, which Triton compiles as a constant) or not; an
+# applied shard of rank nodes - 1 (0, 1 or 3) with the payloads 4 bytes in.
 CASES = [
     (numel, offset, seed, rounding, nodes)
     for numel, nodes in ((128, 1), (1536, 2), (4096, 4))
