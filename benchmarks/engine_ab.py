@@ -59,9 +59,9 @@ def summary(results: dict[str, list[dict]]) -> str:
     """Markdown: per tree, engine row, topology and scenario, the median (min-max) over its runs of
     the step, the compute-only step, that over the same run's plain step, and the host's lead at
     the end of the backward; how many runs were bound by the host (a lead under HOST_BOUND_MS at
-    the end of the backward), with the network on and compute-only; and the medians of the
-    compute stream's ms within the engine's calls, compute-only (ENGINE_BRACKETS): the in-place
-    profile an engine change is judged by."""
+    the end of the backward), with the network on and compute-only; and, from runs with
+    `--brackets on` (whose events cost the step: run the timed A/B without), the medians of the
+    compute stream's ms within the engine's calls, compute-only (ENGINE_BRACKETS)."""
     lines = [
         "| tree | row | scenario | runs | step (ms) | compute-only (ms) | compute-only / plain "
         "| host ahead at the end of backward (ms) | runs bound by the host: network / compute-only "

@@ -103,7 +103,7 @@ class PhaseTimer:
         self.network, self.steps, self.profile_path = network, args.steps, profile
         self.profile_python = bool(getattr(args, "profile_python", False))
         self.profile_kernels = bool(getattr(args, "profile_kernels", False))
-        self.bracketing = getattr(args, "brackets", "on") == "on"
+        self.bracketing = getattr(args, "brackets", "off") == "on"
         warmup, settle, steps = args.warmup, args.settle, args.steps
         self.cuda = args.device.type == "cuda"
         # The compute stream's device, so that each clock's event skips torch's device lookup

@@ -167,7 +167,9 @@ def test_bad_arguments_name_the_flag(args, message, capsys):
 def test_dry_run_prints_every_table(tmp_path):
     out = tmp_path / "out.md"
     presets = ["--presets", "baseline,sdp4bit", "--trainer-presets", "sdp4bit"]
-    result = _script("--dry-run", *presets, "--scenarios", "eth100", "--link-gbps", "200", "--markdown", str(out))
+    result = _script(
+        "--dry-run", *presets, "--scenarios", "eth100", "--link-gbps", "200", "--brackets", "on", "--markdown", str(out)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout
     assert "Dry run on the CPU" in text
@@ -286,6 +288,9 @@ def test_dry_run_with_repeats_prints_the_median_and_min_max_of_the_runs(tmp_path
         assert cells[1] == f"{min(steps):.1f}-{max(steps):.1f}"
         assert re.fullmatch(r"\d+\.\d%", cells[2])
     assert "Each row: the median of 2 runs interleaved with the other rows'" in result.stdout
+    # Brackets off, the default: no event timed the engine's calls, so no table of them.
+    assert all(not r["ib400"].get("brackets_ms") for r in runs if r["row"] != "plain")
+    assert "the engine on the compute stream" not in result.stdout
     import emulated_network
 
     emulated_network.main(["--tables-from", str(out)])  # the same text again, from the raw runs alone

@@ -15,7 +15,8 @@ emulated_tables.step_bound.
   gradients' crosses after the backward; the turn's forward tail follows the weights, and its
   backward head precedes the gradients;
 - a point within a marked step is read against that step's forward mark; a bracket's time is
-  summed per name over the timed steps, and not counted outside them nor with brackets off;
+  summed per name over the timed steps with brackets on, and not counted outside them nor with
+  brackets off (the default);
 - each timed step's length is reported, and the garbage collector's passes while a phase is
   timed (and none outside it); the host's lead over the GPU at each mark is read against an
   anchor taken with both clocks together; the allocator's calls are counted per step.
@@ -64,7 +65,7 @@ def test_marked_steps_are_timed_in_segments_that_tile_the_step(ticking_clock):
 
 
 def test_brackets_are_summed_per_name_over_the_timed_steps_only(ticking_clock):
-    timer = PhaseTimer(None, [Phase("compute")], ARGS, None)
+    timer = PhaseTimer(None, [Phase("compute")], Namespace(**vars(ARGS), brackets="on"), None)
     for _ in range(timer.total_steps):
         with timer.bracket("weights"):  # two readings: 1 s
             pass
@@ -76,8 +77,8 @@ def test_brackets_are_summed_per_name_over_the_timed_steps_only(ticking_clock):
     assert timer.results()["compute"]["brackets_ms"] == {"weights": 1000.0, "gradient hooks": 3000.0}
 
 
-def test_with_brackets_off_a_bracket_reads_no_clock(ticking_clock):
-    timer = PhaseTimer(None, [Phase("compute")], Namespace(**vars(ARGS), brackets="off"), None)
+def test_with_brackets_off_the_default_a_bracket_reads_no_clock(ticking_clock):
+    timer = PhaseTimer(None, [Phase("compute")], ARGS, None)
     for _ in range(timer.total_steps):
         with timer.bracket("weights"):
             timer.mark("forward")  # the only reading inside
