@@ -151,11 +151,13 @@ class ShardedEngine:
         self.weight_collectives = [
             weight_collective_for(b, config, topology, groups, self.meter, stream) for b in self.buckets
         ]
+        # Reads and writes of the weights outside the engine's hooks (`lightning_sdp4bit.weight_access`).
+        self.access = WeightAccess(self.buckets, topology.rank, self.wait_weights)
         self.schedule = BucketSchedule(
             len(self.buckets),
             self._start_grad_exchange,
             self._start_weight_exchange,
-            self._weights_landed,
+            self.access.landed,
             # On a GPU a wait costs the host nothing, so exchanges can go out just ahead of forward.
             weight_prefetch=_GPU_WEIGHT_PREFETCH if self.buckets[0].weights.is_cuda else None,
             timeouts=self.timeouts,
@@ -171,8 +173,6 @@ class ShardedEngine:
         self._decided = False  # prepare_step applied the current verdict
         self._skip_on_host = False
         self.optimizers: list[torch.optim.Optimizer] = []  # re-pointed by shard_optimizer
-        # Reads and writes of the weights outside the engine's hooks (`lightning_sdp4bit.weight_access`).
-        self.access = WeightAccess(self.buckets, topology.rank, self.wait_weights)
         self._hooks = register_hooks(self)
         # Module buffers follow DDP's broadcast_buffers: the adapters call before/after_forward.
         self.buffers = BufferBroadcast(module, groups.world, topology.rank, config.broadcast_buffers, self.timeouts)
@@ -405,9 +405,6 @@ class ShardedEngine:
         with torch.no_grad():
             return self.weight_collectives[index].start(self.buckets[index], self.step)
 
-    def _weights_landed(self, index: int) -> None:
-        self.access.landed(index)
-
     def start_weight_sync(self) -> dict[str, float]:
         """After the optimizer step: start every bucket's weight all-gather (none on a skipped
         step: no master changed). Returns the step's communication figures."""
@@ -422,13 +419,12 @@ class ShardedEngine:
         return stats
 
     def weights_loaded(self) -> None:
-        """The weights were written from outside (a checkpoint): take them as the applied ones.
-        No exchange wrote them, so none left the applied shards: they are copied here."""
+        """The weights were written from outside (a checkpoint): take them as the applied ones
+        (no exchange wrote them, so none left the applied shards)."""
         with torch.no_grad():
-            for bucket in self.buckets:
+            for index, bucket in enumerate(self.buckets):
                 bucket.applied_shard.copy_(bucket.weight_shard)
-        for index in range(len(self.buckets)):
-            self._weights_landed(index)
+                self.access.landed(index)
 
     def gather_weight_shards(self) -> None:
         """Make every rank's weights the concatenation of the ranks' own weight shards (after a
