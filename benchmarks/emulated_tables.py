@@ -4,11 +4,14 @@ Every measured row was run `--repeats` times, interleaved with the other rows; a
 median step, its min-max and its spread ((max - min) / median), and lists the rows whose spread
 is above SPREAD_LIMIT. Columns: the step; the compute-only step (the same run with no wait); the
 busy time of each lane, and how much of all lanes' busy time was per-message latency; step /
-max(compute-only, busiest link); speed against the engine's baseline and the overlapped DDP (>1
-is faster); peak memory since the phase began. Every derived column is computed from medians.
-The DDP rows are computed, not measured: the plain step and a bf16 all-reduce of every gradient at
-the link's rate, in DDP's 25 MiB buckets, each paying the latency of its steps as the emulation
-charges them (emulation.latency_ns).
+max(compute-only, busiest link); speed against the engine's baseline, the overlapped DDP and the
+two-level DDP in its step's order (>1 is faster); peak memory since the phase began. Every derived
+column is computed from medians. The DDP rows are computed, not measured: the plain step and a
+bf16 all-reduce of every gradient at the link's rate, in DDP's 25 MiB buckets, each paying the
+latency of its steps as the emulation charges them (emulation.latency_ns). Overlapped, they
+assume the gradients cross during the whole step, the forward included, which no DDP does: its
+optimizer needs every gradient, and the next forward follows it. The row in its order
+(`ddp_step_bound`) lets them cross during the backward and after it only.
 
 `segment_table`: where each engine row's step goes (phase_timer.SEGMENTS), against the bound
 that the step's order sets (`step_bound`). The weights can cross a link only after the optimizer
@@ -49,6 +52,7 @@ HOST_BOUND_MS = 10.0
 LANES = ("intra", "inter", "world", "nvlink", "nic", "latency")
 EXCHANGES = ("nvlink_weights", "nic_weights", "nvlink_gradients", "nic_gradients")
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+DDP_IN_ORDER = "DDP, two-level all-reduce, in its order"
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -96,9 +100,13 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
         ("DDP, not overlapped", plain_ms + ddp_comm, {**zero, "world": ddp_comm, "latency": ddp_latency}),
     ]
     hierarchical = None if one_node else _hierarchical_ddp(scenario, params, args)
+    in_order = math.nan  # the two-level DDP's step in its order, where the plain row marked its segments
     if hierarchical is not None:
         busy = {**zero, "intra": hierarchical[0], "inter": hierarchical[1], "latency": hierarchical[2]}
         computed.append(("DDP, two-level all-reduce, overlapped", max(plain_ms, *hierarchical[:2]), busy))
+        if all(p.get("segments_ms") for p in plain):
+            in_order = ddp_step_bound(_medians(plain, "segments_ms", SEGMENTS), *hierarchical[:2])
+            computed.append((DDP_IN_ORDER, in_order, busy))
     rows += [{"name": n, "steps": [step], "compute": plain_ms, "busy": b, "peak": math.nan} for n, step, b in computed]
     notes = []
     for row, repeats in runs.items():
@@ -111,8 +119,9 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
         f"#### {model}, {scenario.name}: {_describe(scenario, args)}",
         "",
         "| row | step (ms) | min-max (ms) | spread | compute-only (ms) | busy intra / inter / world (ms) "
-        "| of which latency (ms) | step / max(compute, link) | x baseline | x ideal DDP | peak (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| of which latency (ms) | step / max(compute, link) | x baseline | x ideal DDP "
+        "| x two-level DDP in its order | peak (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         name, busy, step = row["name"], row["busy"], statistics.median(row["steps"])
@@ -125,7 +134,7 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
             f"| {name} | {_fmt(step)} | {low_high} | {spread_pct} | {_fmt(row['compute'])} | {lanes} "
             f"| {_fmt(busy['latency'], 2)} "
             f"| {_fmt(step / max(row['compute'], link), 2)} | {_fmt(_baseline_of(name, medians) / step, 2)} "
-            f"| {_fmt(ddp_ideal / step, 2)} | {_fmt(row['peak'], 2)} |"
+            f"| {_fmt(ddp_ideal / step, 2)} | {_fmt(in_order / step, 2)} | {_fmt(row['peak'], 2)} |"
         )
     lines += [
         "",
@@ -138,6 +147,17 @@ def scenario_table(model: str, scenario: Phase, plain: list[dict], runs: dict[st
         "",
     ]
     return "\n".join(lines)
+
+
+def ddp_step_bound(plain: dict[str, float], nvlink_ms: float, nic_ms: float) -> float:
+    """The least a DDP step can take in its order, in ms, from the plain step's segments: its
+    gradients all-reduce during the backward (`nvlink_ms` and `nic_ms` on each link), and the
+    optimizer needs all of them, so nothing crosses during the forward or the optimizer:
+    forward + max(backward, busiest link) + optimizer. `step_bound` with no weights to move and
+    no end bucket (at least DDP's last bucket, the first layers', crosses after the backward):
+    a bound in DDP's favour."""
+    busy = {"nvlink_weights": 0.0, "nic_weights": 0.0, "nvlink_gradients": nvlink_ms, "nic_gradients": nic_ms}
+    return step_bound(plain, busy, 0.0)
 
 
 def step_bound(
@@ -380,7 +400,11 @@ _HIERARCHICAL_NOTE = (
     "The DDP rows above charge the flat ring's every byte to each GPU's NIC share, as the world lane does; "
     "a ring or two-level all-reduce puts only 1/L of them on each NIC. The two-level row: reduce-scatter "
     "and all-gather inside the node (NVLink), all-reduce of each GPU's 1/L across nodes (NIC), pipelined; "
-    "x ideal DDP stays against the flat one."
+    "x ideal DDP stays against the flat one. Overlapped, DDP's rows assume its gradients cross during the "
+    "whole step; they cross only during the backward and after it (the optimizer needs all of them, and the "
+    "forward follows the optimizer), so the in-its-order row takes the plain step's forward + max(backward, "
+    "busiest link) + optimizer (ddp_step_bound): the least any DDP of this network takes, as the bound from "
+    "the step's order is for the engine's rows."
 )
 
 

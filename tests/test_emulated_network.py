@@ -181,6 +181,7 @@ def test_dry_run_prints_every_table(tmp_path):
             "DDP, overlapped",
             "DDP, not overlapped",
             "DDP, two-level all-reduce, overlapped",
+            "DDP, two-level all-reduce, in its order",
             "baseline",
             "sdp4bit",
             "Trainer + sdp4bit",

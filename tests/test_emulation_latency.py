@@ -137,6 +137,7 @@ def test_a_dry_run_sweeps_bucket_sizes_with_latency():
         "DDP, overlapped",
         "DDP, not overlapped",
         "DDP, two-level all-reduce, overlapped",
+        "DDP, two-level all-reduce, in its order",
         "baseline, buckets of 0.002M",
         "baseline, buckets of 0.2M",
         "sdp4bit, buckets of 0.002M",

@@ -13,7 +13,8 @@ emulated_tables.step_bound.
   the larger of the backward and the gradients' busiest link, and the optimizer; with an end
   bucket, the forward waits for its share of the weights' link time first, and its share of the
   gradients' crosses after the backward; the turn's forward tail follows the weights, and its
-  backward head precedes the gradients;
+  backward head precedes the gradients; a DDP in its order moves its gradients only during and
+  after the backward;
 - a point within a marked step is read against that step's forward mark; a bracket's time is
   summed per name over the timed steps with brackets on, and not counted outside them nor with
   brackets off (the default);
@@ -34,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import phase_timer  # noqa: E402
-from emulated_tables import step_bound  # noqa: E402
+from emulated_tables import ddp_step_bound, step_bound  # noqa: E402
 from emulation import Network  # noqa: E402
 from phase_timer import Phase, PhaseTimer, allocator_per_step, idle_by_segment  # noqa: E402
 
@@ -138,6 +139,14 @@ def test_the_step_bound_takes_each_link_where_it_can_run():
     busy["nic_weights"], busy["nic_gradients"] = 57.0, 90.0
     assert step_bound(compute, busy, 0.0, tail=8.0, head=15.0) == 57.0 + 8.0 + 15.0 + 90.0 + 4.0
     assert step_bound(compute, busy, 0.0, tail=8.0, head=5.0) == 57.0 + 8.0 + 100.0 + 4.0  # the backward hides it
+
+
+def test_a_ddp_in_its_order_moves_its_gradients_only_during_and_after_the_backward():
+    plain = {"forward": 40.0, "backward": 95.0, "optimizer": 10.0}
+    # Link-bound (16 x 4, 1.3B): the forward and the optimizer add to the link's time, not hide it.
+    assert ddp_step_bound(plain, 27.5, 402.8) == pytest.approx(40.0 + 402.8 + 10.0)
+    # Compute-bound: the backward hides both links, and DDP steps as the plain step.
+    assert ddp_step_bound(plain, 7.5, 57.5) == pytest.approx(145.0)
 
 
 def test_points_are_read_against_their_steps_forward_mark(ticking_clock):
