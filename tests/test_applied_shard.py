@@ -14,6 +14,7 @@ uncompressed) and uncompressed (baseline):
 
 import pytest
 import torch
+from checkpoint_helpers import train_step
 from distributed import run_workers
 from models import make_model
 
@@ -62,13 +63,7 @@ def _run(rank, world, ranks_per_node):
             kinds = ["plain" if isinstance(c, PlainWeightAllGather) else "quantized" for c in engine.weight_collectives]
             checks = []
             for step in range(2):
-                generator = torch.Generator().manual_seed(10 * rank + step)
-                for records in engine.fragments_by_name.values():
-                    for record in records:
-                        record.master.grad = torch.randn(record.master.shape, generator=generator)
-                optimizer.step()
-                engine.start_weight_sync()
-                engine.wait_weights()
+                train_step(engine, optimizer, 10 * rank + step)
                 before = _masters(engine)
                 equal = _applied_equal_weights(engine)
                 engine.absorb_weight_edits()
