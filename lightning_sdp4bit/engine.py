@@ -140,7 +140,6 @@ class ShardedEngine:
             self._broadcast_from_rank_zero()
             for bucket in self.buckets:
                 bucket.master.copy_(bucket.weight_shard)
-                bucket.applied_shard.copy_(bucket.weight_shard)  # rank 0's: no exchange has run yet
         self.trained_names = [slot.name for b in self.buckets for slot in b.layout.slots]
         self.fragments_by_name = master_fragments(self.buckets, topology.rank, self.trained_names)
         self.optimizer_param_names: list[list[list[str]]] = []  # per re-pointed optimizer, per group
@@ -153,6 +152,7 @@ class ShardedEngine:
         ]
         # Reads and writes of the weights outside the engine's hooks (`lightning_sdp4bit.weight_access`).
         self.access = WeightAccess(self.buckets, topology.rank, self.wait_weights)
+        self.weights_loaded()  # rank 0's weights, broadcast: no exchange has left the applied shards
         self.schedule = BucketSchedule(
             len(self.buckets),
             self._start_grad_exchange,
@@ -419,8 +419,8 @@ class ShardedEngine:
         return stats
 
     def weights_loaded(self) -> None:
-        """The weights were written from outside (a checkpoint): take them as the applied ones
-        (no exchange wrote them, so none left the applied shards)."""
+        """The weights were written from outside (rank 0's broadcast at setup, a checkpoint): take
+        them as the applied ones (no exchange wrote them, so none left the applied shards)."""
         with torch.no_grad():
             for index, bucket in enumerate(self.buckets):
                 bucket.applied_shard.copy_(bucket.weight_shard)

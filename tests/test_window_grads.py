@@ -10,6 +10,7 @@
   new window drops what was held.
 """
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -169,16 +170,28 @@ def test_a_new_window_drops_held_gradients():
     assert bucket.held == {} and not bucket.take_grads().any()
 
 
+@contextlib.contextmanager
+def _emulated_engine(benchmark_script):
+    """Rank 0 of 2 nodes x 4 on the emulated network (CPU): a two-layer MLP in two buckets, sdp4bit."""
+    from lightning_sdp4bit.config import SDP4BitConfig
+    from lightning_sdp4bit.engine import ShardedEngine
+    from lightning_sdp4bit.topology import Topology
+
+    topology = Topology(0, 8, 4)
+    network = benchmark_script("emulation").Network(torch.device("cpu"), topology, "own")
+    with network.install():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=4, bucket_numel=64 * 64 + 64)
+        yield model, ShardedEngine(model, config, topology, network.groups())
+
+
 def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in_once(benchmark_script, monkeypatch):
     """Wiring: the engine's hooks hold the synced backward's gradients (no copy per parameter)
     and each bucket takes its own in once, when its exchange starts; a micro-batch outside the
     sync still puts each gradient in as it comes, in fp32."""
     from lightning_sdp4bit.buffers import Bucket
-    from lightning_sdp4bit.config import SDP4BitConfig
-    from lightning_sdp4bit.engine import ShardedEngine
-    from lightning_sdp4bit.topology import Topology
 
-    network_module = benchmark_script("emulation")
     calls = {"receive_grad": 0, "receive_grads": 0}
     for name in calls:
         method = getattr(Bucket, name)
@@ -188,13 +201,7 @@ def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in
             return _method(self, *args, **kwargs)
 
         monkeypatch.setattr(Bucket, name, counting)
-    topology = Topology(0, 8, 4)
-    network = network_module.Network(torch.device("cpu"), topology, "own")
-    with network.install():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
-        config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=4, bucket_numel=64 * 64 + 64)
-        engine = ShardedEngine(model, config, topology, network.groups())
+    with _emulated_engine(benchmark_script) as (model, engine):
         buckets, params = len(engine.buckets), sum(len(b.params) for b in engine.buckets)
         assert buckets == 2 and params == 4
         engine.before_backward()
@@ -240,21 +247,10 @@ def test_the_compressed_exchange_reads_held_gradients_in_place_with_the_bytes_of
     they lie (no concatenation) and reduces them to the same gradient shards, bit for bit, as
     when it reads them from the bucket's buffer."""
     from lightning_sdp4bit.collectives import TwoLevelGradReduceScatter
-    from lightning_sdp4bit.config import SDP4BitConfig
-    from lightning_sdp4bit.engine import ShardedEngine
-    from lightning_sdp4bit.topology import Topology
-
-    network_module = benchmark_script("emulation")
-    topology = Topology(0, 8, 4)
 
     def shards(in_place):
         monkeypatch.setattr(TwoLevelGradReduceScatter, "reads_in_place", in_place)
-        network = network_module.Network(torch.device("cpu"), topology, "own")
-        with network.install():
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
-            config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=4, bucket_numel=64 * 64 + 64)
-            engine = ShardedEngine(model, config, topology, network.groups())
+        with _emulated_engine(benchmark_script) as (model, engine):
             engine.before_backward()
             with mock.patch.object(torch, "cat", wraps=torch.cat) as cats:
                 model(torch.randn(8, 64)).square().mean().backward()
