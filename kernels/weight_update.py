@@ -280,9 +280,9 @@ def weight_update_apply(
     additive (qWD): weights = dtype(fp32(weights) + code * scale); otherwise (qW): weights =
     dtype(code * scale). weights: bf16 or fp32. The payload's rows are local-major [L, M] with
     M = `nodes` and L = W // nodes, as a two-level all-gather lands them: the shard of rank
-    m * L + l, weights[(m*L + l)*S:][:S], is payload row l * M + m. nodes = 1 (or W) is rank
+    m * L + l, `weights[(m*L + l)*S:][:S]`, is payload row l * M + m. nodes = 1 (or W) is rank
     order. With `applied` ([S], the weights' dtype and device, apart from them in memory), the
-    values stored into the shard of `rank` (in rank order, whatever `nodes`: weights[rank*S:][:S])
+    values stored into the shard of `rank` (in rank order, whatever `nodes`: `weights[rank*S:][:S]`)
     are stored there too, bit for bit. Returns `weights`. Equals `torch_weight_update_apply` bit
     for bit, so replicas stay identical. Raises ValueError, naming the parameter, for bad
     arguments (an `applied` that overlaps the weights when the op runs: see `check_disjoint`).

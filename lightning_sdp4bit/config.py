@@ -173,7 +173,7 @@ class SDP4BitConfig:
     nonfinite: NonFinite = NonFinite.SKIP
     """An Inf or NaN gradient on any rank: "skip" the step (default; counted in
     comm/nonfinite_steps and warned about), "error" (raise on every rank) or "propagate" (step
-    anyway; README "Non-finite gradients" says which weights turn non-finite). Every rank takes
+    anyway; the user guide's "Non-finite gradients" says which weights turn non-finite). Every rank takes
     the same decision."""
 
     broadcast_buffers: bool = True

@@ -54,11 +54,13 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
     One module per strategy (the one `fabric.setup` receives); any number of optimizers over its
     parameters, each fresh. `fabric.backward(loss)` must replace `loss.backward()`.
 
+    The other arguments (`accelerator`, `parallel_devices`, `cluster_environment`,
+    `checkpoint_io`, `precision`, `process_group_backend`, `timeout`, `start_method`) are those of
+    Fabric's DDPStrategy.
+
     Args:
         config: an `SDP4BitConfig`, a dict of its fields (optionally with "preset"), or the path
             of a YAML file. Defaults to the paper's settings.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-        process_group_backend, timeout, start_method: as for Fabric's DDPStrategy.
     """
 
     def __init__(

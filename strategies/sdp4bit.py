@@ -57,11 +57,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
     with TLq-HS: int8 inside a node, int4 across nodes, after a Hadamard rotation) and updated
     weights all-gathered (by default with qWD: 4-bit weight differences).
 
+    The other arguments (`accelerator`, `parallel_devices`, `cluster_environment`,
+    `checkpoint_io`, `precision_plugin`, `process_group_backend`, `timeout`, `start_method`) are
+    those of Lightning's DDPStrategy.
+
     Args:
         config: an `SDP4BitConfig`, a dict of its fields (optionally with "preset"), or the path
             of a YAML file. Defaults to the paper's settings.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for Lightning's DDPStrategy.
     """
 
     strategy_name = "sdp4bit"

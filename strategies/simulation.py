@@ -99,7 +99,8 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         world: "MxL" or (M, L), at least 2 ranks.
         config: as for `SDP4BitStrategy`: an `SDP4BitConfig`, a dict (optionally with "preset") or
             a YAML path. `world` gives the shape: a `ranks_per_node` other than L is refused.
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's strategies.
+        **kwargs: `accelerator`, `parallel_devices`, `checkpoint_io`, `precision_plugin`, as for
+            Lightning's strategies.
     """
 
     strategy_name = "sdp4bit_simulation"

@@ -175,7 +175,7 @@ def torch_weight_update_apply(
     lands them, across nodes first): the shard of rank m * L + l is row l * M + m. nodes = 1 (or
     W) is rank order. Row by row through one fp32 buffer: the sum is computed in fp32 and rounded
     once to weights.dtype as it is stored, as `copy_` (and `.to()`) round. `applied` [S] (the
-    weights' dtype), if given, receives the shard of `rank` in rank order, weights[rank*S:][:S],
+    weights' dtype), if given, receives the shard of `rank` in rank order, `weights[rank*S:][:S]`,
     as stored: the applied shard of the engine's edit check (`torch_absorb_weight_edits`).
     Returns weights.
     """

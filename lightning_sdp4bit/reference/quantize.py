@@ -191,9 +191,11 @@ def quantize(
         bits: 2, 4 or 8. The levels are -(2^(bits-1)-1)..+(2^(bits-1)-1).
         group_size: elements per scale, a positive power of two.
         rounding: "nearest" (half to even) or "stochastic" (unbiased: E[dequantize] = x).
-        generator, seed: the randomness of stochastic rounding; give at most one of them. With
-            neither, the draws come from torch's default generator for x's device, as `torch.rand`
-            does, so `torch.manual_seed(n)` before the call makes the result reproducible.
+        generator: the randomness of stochastic rounding; give at most one of `generator` and
+            `seed`. With neither, the draws come from torch's default generator for x's device,
+            as `torch.rand` does, so `torch.manual_seed(n)` before the call makes the result
+            reproducible.
+        seed: the seed of a generator of the call's own, in place of `generator`.
 
     Returns:
         a `QuantizedTensor`; `dequantize(q)` gives back x's shape and dtype, and `q.nbytes` is
