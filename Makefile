@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint docs docs-serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,18 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m pip install --quiet ruff
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# The docs site (mkdocs.yml): pinned tools from docs/requirements.txt, built strict into build/site.
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): $(STAMP) docs/requirements.txt
+	$(BIN)/python -m pip install --quiet -r docs/requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	$(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info lightning_logs
