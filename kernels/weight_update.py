@@ -179,16 +179,13 @@ def _(master, weights, bits, group_size, rounding, seed):
 
 
 def _weight_update_apply(
-    payload: Tensor,
-    weights: Tensor,
-    bits: int,
-    group_size: int,
-    additive: bool,
-    nodes: int = 1,
-    applied: Tensor | None = None,
-    rank: int = 0,
+    payload: Tensor, weights: Tensor, applied: Tensor, bits: int, group_size: int, additive: bool, nodes: int, rank: int
 ) -> None:
-    if applied is not None:
+    # Every argument is required and `applied` is always a tensor (0 elements: none), so that the
+    # custom op's schema has no optional mutated argument and no defaults: torch 2.11's
+    # functionalization of such an op under torch.compile indexed its arguments past the end.
+    has_applied = applied.numel() > 0
+    if has_applied:
         check_disjoint("applied", applied, "weights", weights)
     # It only dequantizes, so a thread row can be one 16-byte vector of weights (and at least one
     # word of codes): a warp's accesses are then contiguous, where 64-byte bf16 rows left half of
@@ -211,7 +208,7 @@ def _weight_update_apply(
         config.grid(weights.numel() // config.thread_row),
         *word_views("payload", payload),
         weights,
-        weights if applied is None else applied,
+        applied if has_applied else weights,
         rank,
         weights.numel() // config.thread_row,
         shard // config.thread_row,
@@ -221,7 +218,7 @@ def _weight_update_apply(
         ranks // ranks_per_node,
         ROW_UNIT=unit,
         ADDITIVE=additive,
-        HAS_APPLIED=applied is not None,
+        HAS_APPLIED=has_applied,
         BITS=bits,
         GROUP=group_size,
         T=config.thread_row,
@@ -236,7 +233,7 @@ _weight_update_apply_op = torch.library.custom_op(
 
 
 @_weight_update_apply_op.register_fake
-def _(payload, weights, bits, group_size, additive, nodes=1, applied=None, rank=0):
+def _(payload, weights, applied, bits, group_size, additive, nodes, rank):
     return None
 
 
@@ -314,6 +311,7 @@ def weight_update_apply(
             )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
         raise ValueError(f"rank must be an integer in [0, {ranks}) (one of the payload's rows), got {rank!r}")
+    none = weights.new_empty(0)  # no applied shard (see _weight_update_apply)
     op = eager(_weight_update_apply_op, _weight_update_apply)
-    op(payload, weights, bits, group_size, additive, nodes, applied, rank)
+    op(payload, weights, none if applied is None else applied, bits, group_size, additive, nodes, rank)
     return weights
