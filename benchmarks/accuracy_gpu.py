@@ -165,17 +165,22 @@ class RankPasses:
 
     def step(self, micro_batches: torch.Tensor, total: torch.Tensor) -> None:
         """Rank r trains on micro_batches[r] ([W, b, T + 1]); its loss is added to `total`, in rank
-        order."""
+        order. Each rank's backward runs in its turn of the engine's step protocol."""
+        engine = self.engine
         if self.graphs is None:
             for rank, tokens in enumerate(micro_batches):
-                loss = loss_of(self.model, tokens)
-                loss.backward()
-                self.engine.receive_grads(rank, accumulating=False)
+                with engine.running_as(rank):
+                    engine.pre_backward()
+                    loss = loss_of(self.model, tokens)
+                    loss.backward()
+                    engine.receive_grads()
                 total += loss.detach()
             return
 
         def take(rank: int, loss: torch.Tensor, grads: list) -> None:
-            self.engine.receive_grads(rank, accumulating=False, grads=grads)
+            with engine.running_as(rank):
+                engine.pre_backward()
+                engine.receive_grads(grads)
             total.add_(loss)
 
         self.graphs.run(micro_batches, take)
@@ -211,13 +216,14 @@ def state_of(model, engine, schedule, progress) -> dict:
 
 def restore(state, model, engine, schedule) -> dict:
     model.load_state_dict(state["model"])
+    engine.weights_loaded()  # written from outside: no write of a hook's for the masters to take in
     for rank, masters in zip(engine.ranks, state["masters"], strict=True):
         for bucket, master in zip(rank.buckets, masters, strict=True):
             bucket.master.copy_(master)
     for rank, optimizer_state in zip(engine.ranks, state["optimizers"], strict=True):
         rank.optimizers[0].load_state_dict(optimizer_state)
     schedule.load_state_dict(state["schedule"])
-    engine.step = state["engine_step"]
+    engine.restore_step(state["engine_step"])
     return state["progress"]
 
 

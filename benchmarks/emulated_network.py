@@ -83,7 +83,7 @@ from emulated_runs import (
     run_trainer,
     scenario_phase,
 )
-from emulated_tables import engine_work_table, host_table, scenario_table, segment_table
+from emulated_tables import host_table, scenario_table, segment_table
 from emulation import LIGHTNING_LANES
 from gpu_wait import spin_accuracy, spin_cost
 from phase_timer import POWER_WARMUP_S, Phase
@@ -134,9 +134,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     kernels = "with --profile: record the GPU's work only, no host events (the host stays ahead of the GPU, so the"
     kernels += " kernels run beside each other as unprofiled; trace_summary.py's kernel sums, not its --idle split)"
     parser.add_argument("--profile-kernels", action="store_true", help=kernels)
-    brackets = "on: CUDA events around every engine call, for the engine table (they cost the step: 1.2-1.5 ms"
-    brackets += " a 356M step on the H200, benchmarks/results/brackets_h200_2026-12-03.md); off (default): none"
-    parser.add_argument("--brackets", choices=("on", "off"), default="off", help=brackets)
     args = parser.parse_args(argv)
     if args.tables_from:
         if not Path(args.tables_from).is_file():
@@ -309,7 +306,7 @@ def tabulate(model: str, raw: list[dict], args) -> list[str]:
         by_row = {row: repeats(row, key) for row in rows}
         for phase in phases[1:]:
             tables.append(scenario_table(model, phase, plain, by_row, args))
-            more = (segment_table, engine_work_table, host_table)
+            more = (segment_table, host_table)
             tables += [t for t in (table(model, phase, plain, by_row) for table in more) if t]
     return tables
 

@@ -156,7 +156,7 @@ def run_engine(
         engine.shard_optimizer(optimizer)
         tokens = spec.tokens(device)
         timer = PhaseTimer(network, phases, args, profile)
-        with watch_the_engine(engine, timer) as new_step:
+        with marking_the_turn(model, engine, timer) as new_step:
             for _ in range(timer.total_steps):
                 new_step()
                 engine_step(model, engine, optimizer, tokens, timer.mark)
@@ -175,71 +175,36 @@ def end_bucket_share(engine: ShardedEngine) -> float:
 
 
 @contextlib.contextmanager
-def watch_the_engine(engine: ShardedEngine, timer: PhaseTimer) -> Iterator[Callable[[], None]]:
-    """Within: bracket every call the model's hooks and the step make into the engine
-    (`timer.bracket`): "weights" (`wait_weights`: the compute stream's waits for the weights, their
-    update, and the encode of the exchanges it launches ahead), "gradient hooks" (`on_grad_ready`:
-    each gradient's copy into its bucket, a full bucket's encode and launch) and "gradient finish"
-    (`finish_grad_sync`: the wait for the last exchanges and the decode into the shards). Inside
-    those calls also bracket, as "stream waits", every wait of the compute stream for another
-    stream's event (`torch.cuda.Stream.wait_event`, which the engine's exchanges and the emulation's
-    collectives use): a bracket's end runs only once the wait is over, so these say how much of the
-    calls' time the compute stream sat idle behind the exchanges rather than running kernels.
+def marking_the_turn(model: torch.nn.Module, engine: ShardedEngine, timer: PhaseTimer) -> Iterator[Callable[[], None]]:
+    """Mark the turn from forward to backward in each step, where the network link has nothing to
+    send, with hooks of the benchmark's own (the engine's are left as they are):
+    `timer.point("last_weights")` when the forward first reaches a module that owns a parameter of
+    bucket 0 (the last layers': the last bucket it needs; its pre-hook runs after the engine's,
+    which waits for that bucket), `timer.point("first_gradients")` once the backward has finished
+    every gradient of bucket 0 (the first it completes; these hooks run after the engine's). Yields
+    what to call before each step; on leaving, the hooks are removed."""
+    params = engine.buckets[0].params
+    owned = {id(param) for param in params}
+    state = {"waited": False, "arrived": 0}
 
-    And mark the turn from forward to backward in each step, where the network link has nothing
-    to send: `timer.point("last_weights")` when the forward first waits for bucket 0's weights
-    (the last layers': the last bucket it needs), `timer.point("first_gradients")` when the
-    backward has handed over every gradient of bucket 0 (the first it finishes). Yields what to
-    call before each step; on leaving, the engine's entries and torch's wait_event are restored."""
-    wait_weights, on_grad_ready, finish_grad_sync = engine.wait_weights, engine.on_grad_ready, engine.finish_grad_sync
-    first = len(engine.buckets[0].params)
-    state = {"waited": False, "arrived": 0, "depth": 0}  # depth: engine calls in progress
-
-    @contextlib.contextmanager
-    def engine_call(name: str) -> Iterator[None]:
-        state["depth"] += 1
-        try:
-            with timer.bracket(name):
-                yield
-        finally:
-            state["depth"] -= 1
-
-    def waiting(indices=None) -> None:
-        with engine_call("weights"):
-            wait_weights(indices)
-        if indices is not None and 0 in indices and not state["waited"]:
+    def reached(module: torch.nn.Module, args: tuple) -> None:
+        if not state["waited"]:
             state["waited"] = True
             timer.point("last_weights")
 
-    def arrived(index: int, position: int) -> None:
-        with engine_call("gradient hooks"):
-            on_grad_ready(index, position)
-        if index == 0:
-            state["arrived"] += 1
-            if state["arrived"] == first:
-                timer.point("first_gradients")
+    def finished(param: torch.Tensor) -> None:
+        state["arrived"] += 1
+        if state["arrived"] == len(params):
+            timer.point("first_gradients")
 
-    def finishing() -> None:
-        with engine_call("gradient finish"):
-            finish_grad_sync()
-
-    original_wait_event = torch.cuda.Stream.wait_event
-    compute = torch.cuda.current_stream(engine.buckets[0].weights.device) if engine.buckets[0].weights.is_cuda else None
-
-    def wait_event(stream: torch.cuda.Stream, event) -> None:
-        if not (state["depth"] and stream == compute):
-            return original_wait_event(stream, event)
-        with timer.bracket("stream waits"):
-            return original_wait_event(stream, event)
-
-    engine.wait_weights, engine.on_grad_ready, engine.finish_grad_sync = waiting, arrived, finishing
-    torch.cuda.Stream.wait_event = wait_event
+    owners = [m for m in model.modules() if any(id(p) in owned for p in m.parameters(recurse=False))]
+    handles = [module.register_forward_pre_hook(reached) for module in owners]
+    handles += [param.register_post_accumulate_grad_hook(finished) for param in params]
     try:
         yield lambda: state.update(waited=False, arrived=0)
     finally:
-        torch.cuda.Stream.wait_event = original_wait_event
-        for name in ("wait_weights", "on_grad_ready", "finish_grad_sync"):
-            del vars(engine)[name]  # the class's methods again
+        for handle in handles:
+            handle.remove()
 
 
 class EmulatedStrategy(SDP4BitStrategy):
@@ -306,8 +271,8 @@ class GPTModule(L.LightningModule):
 
 
 class _StepMarks(L.Callback):
-    """The timer's step boundaries, the engine's brackets and the turn's points (`watch_the_engine`),
-    as run_engine has them; EmulatedStrategy marks the forward's and the backward's ends."""
+    """The timer's step boundaries and the turn's points (`marking_the_turn`), as run_engine has
+    them; EmulatedStrategy marks the forward's and the backward's ends."""
 
     reads_weights = False  # sdp4bit: these hooks need no complete weights, so they cost no overlap
 
@@ -317,7 +282,7 @@ class _StepMarks(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # The engine exists from setup; teardown, which runs whatever happened, stops the watch.
-        self._new_step = self._watch.enter_context(watch_the_engine(trainer.strategy.engine, self.timer))
+        self._new_step = self._watch.enter_context(marking_the_turn(pl_module, trainer.strategy.engine, self.timer))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._watch.close()

@@ -23,11 +23,6 @@ forward needs and the first whose gradients the backward completes lies the turn
 layers, the output layer and the loss, forward and backward), when the link has nothing to send.
 max(compute, link) ignores all four.
 
-`engine_work_table`: where an engine row's compute-only step exceeds the plain step's, segment by
-segment, beside the compute stream's time within the engine's calls (emulated_runs brackets
-them): what is not within them is the model's own kernels running slower beside the exchanges'
-kernels on other streams, or the compute stream idle between them.
-
 `host_table`: whether the host kept ahead of the GPU. The slowest timed step against the median
 one (a single host stall, such as a garbage collector's full pass, shows there); how far ahead
 of the GPU the host queued the end of each segment (near 0: the GPU waited for the host's
@@ -243,47 +238,6 @@ def segment_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str
         "nodes, NVLink on one node) was running: where the network waits for the GPU."
     )
     return "\n".join([f"#### {model}, {scenario.name}: where the step goes", "", *lines, "", note, ""])
-
-
-# emulated_runs.watch_the_engine's brackets: the engine's calls, then the compute stream's waits within them
-ENGINE_BRACKETS = ("weights", "gradient hooks", "gradient finish", "stream waits")
-
-
-def engine_work_table(model: str, scenario: Phase, plain: list[dict], runs: dict[str, list[dict]]) -> str:
-    """Per row whose runs bracketed the engine's calls (phase_timer's brackets_ms): its compute-only
-    segments over the plain step's, and the compute stream's ms within the engine's calls
-    (ENGINE_BRACKETS), in the scenario's phase and the compute-only one (medians)."""
-    lines = [
-        "| row | compute-only over the plain step: forward / backward / optimizer (ms) | within the engine's "
-        "calls: weights / gradient hooks / gradient finish / of these, waiting for other streams, network (ms) "
-        "| the same: compute-only (ms) |",
-        "|---|---|---|---|",
-    ]
-    floor = _medians(plain, "segments_ms", SEGMENTS)
-    for name, (network, compute) in _by_row(scenario, ([], plain), runs).items():
-        if not network or not all(r.get("brackets_ms") for r in network + compute):
-            continue
-        excess = _medians(compute, "segments_ms", SEGMENTS)
-        calls = [
-            " / ".join(_fmt(v, 2) for v in _medians(rs, "brackets_ms", ENGINE_BRACKETS).values())
-            for rs in (network, compute)
-        ]
-        over = " / ".join(f"{excess[s] - floor[s]:+.1f}" for s in SEGMENTS)
-        lines.append(f"| {name} | {over} | {calls[0]} | {calls[1]} |")
-    if len(lines) == 2:
-        return ""
-    note = (
-        "Within the engine's calls: CUDA events on the compute stream at the start and the end of every call "
-        "the model's hooks and the step make into the engine, summed per timed step: weights (the waits for "
-        "each bucket's weights, their update, and the encode of those launched ahead), gradient hooks (each "
-        "gradient's copy into its bucket; a full bucket's encode and launch), gradient finish (the wait for "
-        "the last exchanges, the decode into the shards); of these, waiting for other streams: the compute "
-        "stream idle in its waits for the exchanges' events (a bracket around each wait within those calls, "
-        "which ends only once the wait is over), the rest being the kernels the calls queued. What a segment's "
-        "excess over the plain step does not find there is the model's own kernels running slower beside the "
-        "exchanges' kernels on other streams, or the compute stream idle between them."
-    )
-    return "\n".join([f"#### {model}, {scenario.name}: the engine on the compute stream", "", *lines, "", note, ""])
 
 
 def _collector(results: list[dict]) -> tuple[float, float, float]:

@@ -78,19 +78,21 @@ def _no_mark(segment: str) -> None:
 
 
 def engine_step(model, engine, optimizer, tokens: torch.Tensor, mark: Callable[[str], None] = _no_mark) -> None:
-    """One optimizer step through the sharded engine, in the order the Lightning adapter drives it.
-    `mark(segment)` at the end of the forward and of the backward (phase_timer.SEGMENTS)."""
+    """One optimizer step through the sharded engine's step protocol, as the Lightning adapter
+    drives it. `mark(segment)` at the end of the forward and of the backward (phase_timer.SEGMENTS)."""
+    engine.pre_forward()
     loss = lm_loss(model, tokens)
+    engine.post_forward()
     mark("forward")
-    engine.before_backward()
+    engine.pre_backward()
     loss.backward()
-    engine.finish_grad_sync()
+    engine.post_backward()
     mark("backward")
     engine.clip_grad_norm(MAX_NORM)
-    engine.prepare_step()
+    engine.pre_optimizer_step()
     optimizer.step()
+    engine.post_optimizer_step()
     optimizer.zero_grad(set_to_none=True)
-    engine.start_weight_sync()
 
 
 def plain_step(model, optimizer, tokens: torch.Tensor, mark: Callable[[str], None] = _no_mark) -> None:

@@ -101,13 +101,16 @@ def _train(rank, world, preset, device, use_ddp, steps):
         tokens = batch(rank, step).to(device)
         logits = net(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if not use_ddp:
+            engine.pre_backward()
         loss.backward()
         if not use_ddp:
-            engine.prepare_step()
+            engine.post_backward()
+            engine.pre_optimizer_step()
         optimizer.step()
-        optimizer.zero_grad()
         if not use_ddp:
-            engine.start_weight_sync()
+            engine.post_optimizer_step()
+        optimizer.zero_grad()
     if not use_ddp:
         engine.wait_weights()
         engine.close()

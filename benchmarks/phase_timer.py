@@ -13,11 +13,9 @@ optimizer, the launch of the weight all-gathers). While a phase is timed, the ne
 NIC across nodes) records when it is busy, and each segment also reports how long that link
 sat idle within it (`idle_by_segment`): where in the step the network waits for the GPU.
 A `point(name)` within a marked step is reported as its offset from the step's forward mark
-(emulated_runs marks when the forward waits for its last bucket and when the backward has
-finished its first: the ends of the turn from forward to backward). A `bracket(name)` around a
-call times the compute stream from the call's start to its end, summed per name
-(`brackets_ms`): the kernels the call queued there and the stream's waits for other streams
-(emulated_runs brackets every call the model's hooks and the step make into the engine).
+(emulated_runs marks when the forward reaches its last bucket and when the backward has
+finished its first: the ends of the turn from forward to backward). What the engine does within
+a step is read from a profile (`--profile`) by its `sdp4bit::` labels, not timed here.
 
 The host: each mark also reads the host's clock, and the end of a phase ties the two clocks
 together (a synchronize, then an event the idle GPU runs at once). So each mark gives how far
@@ -32,7 +30,6 @@ that `torch.cuda.set_sync_debug_mode` does not report).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -103,11 +100,10 @@ class PhaseTimer:
         self.network, self.steps, self.profile_path = network, args.steps, profile
         self.profile_python = bool(getattr(args, "profile_python", False))
         self.profile_kernels = bool(getattr(args, "profile_kernels", False))
-        self.bracketing = getattr(args, "brackets", "off") == "on"
         warmup, settle, steps = args.warmup, args.settle, args.steps
         self.cuda = args.device.type == "cuda"
         # The compute stream's device, so that each clock's event skips torch's device lookup
-        # (lightning_sdp4bit.streams says why): the brackets take two clocks per engine call.
+        # (lightning_sdp4bit.streams says why).
         self._device_index = torch.cuda.current_device() if self.cuda else None
         self._marks: list[tuple[int, object]] = [(0, functools.partial(self._set_rates, phases[0]))]
         count = warmup
@@ -126,7 +122,6 @@ class PhaseTimer:
         self._segments: list[tuple[str, object, object]] = []  # (segment, start clock, end clock)
         self._host_marks: list[int] = []  # time.monotonic_ns() at each segment's end
         self._gc_passes: list[tuple[int, int]] = []  # (generation, ns) of each pass while timed
-        self._brackets: list[tuple[str, object, object]] = []  # (name, start clock, end clock)
         self._last_clock = None  # the open phase's last segment boundary
         self._recording_since = None  # the clock the network link's recorded waits are read against
         self._fire()
@@ -144,19 +139,6 @@ class PhaseTimer:
         its segments): `results()` gives its mean offset from the step's forward mark."""
         if self._last_clock is not None:
             self._points.append((name, len(self._segments), self._clock()))
-
-    @contextlib.contextmanager
-    def bracket(self, name: str):
-        """Time the compute stream's work between entering and leaving (counted only while a
-        phase is timed, and with `args.brackets` on): `results()` gives each name's ms per timed
-        step. Off, no event is recorded: what the brackets' events cost the step is then the
-        difference."""
-        if self._last_clock is None or not self.bracketing:
-            yield
-            return
-        start = self._clock()
-        yield
-        self._brackets.append((name, start, self._clock()))
 
     def after_step(self) -> None:
         if self._segments and self._segments[-1][0] == SEGMENTS[-2]:  # a step that marks its segments
@@ -208,7 +190,6 @@ class PhaseTimer:
         self._open[phase.name] = self._last_clock = self._clock()
         self._wall_start = time.time()  # seconds since the epoch: to match a log of the GPU's clocks
         self._segments, self._points, self._host_marks, self._gc_passes = [], [], [], []
-        self._brackets = []
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -236,7 +217,6 @@ class PhaseTimer:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan,
             "segment_clocks": self._segments,
             "point_clocks": self._points,
-            "bracket_clocks": self._brackets,
             "link_clocks": (since, link_clocks),
             "host_marks": (anchor, self._host_marks),
             # per timed step, by generation 0, 1, 2 (a list: it reads back from --json as written)
@@ -263,7 +243,6 @@ class PhaseTimer:
         segments_ms (SEGMENTS -> ms per step; empty for a step that does not mark them) and
         link_idle_ms (the network link's idle ms per step within each segment; empty likewise),
         points_ms (each `point` name -> its mean ms from its step's forward mark, negative before),
-        brackets_ms (each `bracket` name -> its ms per timed step),
         steps_ms (each marked step's length), step_segments_ms (each step's segments),
         host_lead_ms (per segment, the median ms the GPU ran its end after the host queued it; empty
         on the CPU), step_host_lead_ms (each step's lead at its end; empty on the CPU), wall_s (the
@@ -293,10 +272,6 @@ class PhaseTimer:
                 if forward < len(spans) and spans[forward][0] == SEGMENTS[0]:
                     offsets.setdefault(name, []).append(ms(clock) - spans[forward][2])
             result["points_ms"] = {name: statistics.fmean(values) for name, values in offsets.items()}
-            brackets: dict[str, float] = {}
-            for name, begin, end in result.pop("bracket_clocks"):
-                brackets[name] = brackets.get(name, 0.0) + (ms(end) - ms(begin)) / self.steps
-            result["brackets_ms"] = brackets
             steps = self._step_segments_ms(spans)
             result["step_segments_ms"] = steps
             result["steps_ms"] = [sum(step.values()) for step in steps]  # the segments follow each other

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from lightning_sdp4bit.config import SDP4BitConfig, auto_bucket_numel
 
 __all__ = [
     "Bucket",
@@ -41,9 +44,15 @@ __all__ = [
     "ParamSlot",
     "allocate_buckets",
     "as_words",
+    "bucket_layouts",
     "layout_signature",
     "plan_buckets",
+    "shard_alignment",
 ]
+
+# Shards stay a multiple of this many elements even uncompressed: 32 keeps every packed
+# payload row a whole number of 32-bit words (see reference.ops.payload_row_bytes).
+_MIN_ALIGNMENT = 32
 
 
 def as_words(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -164,6 +173,28 @@ def plan_buckets(
         if slots:
             close(dtype, slots, used)
     return buckets
+
+
+def shard_alignment(config: SDP4BitConfig) -> int:
+    """Elements each shard must be a multiple of, so that it holds whole quantization groups."""
+    sizes = [_MIN_ALIGNMENT]
+    if config.compresses_weights:
+        sizes.append(config.weight_group_size)
+    if config.compresses_grads:
+        sizes.append(config.grad_group_size)
+    return math.lcm(*sizes)
+
+
+def bucket_layouts(named: Sequence[tuple[str, nn.Parameter]], config: SDP4BitConfig, world_size: int) -> list:
+    """The buckets of the trained parameters `named` (registration order) for a job of `world_size`."""
+    bucket_numel = config.bucket_numel or auto_bucket_numel(sum(p.numel() for _, p in named))
+    return plan_buckets(
+        [(name, tuple(p.shape), p.dtype) for name, p in named],
+        world_size,
+        bucket_numel,
+        shard_alignment(config),
+        config.first_bucket_numel,
+    )
 
 
 def layout_signature(layouts: Sequence[BucketLayout], extra: str = "") -> int:
@@ -316,8 +347,11 @@ def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Param
     """Copy the parameters into one flat weight buffer per dtype and make them views into it.
 
     The parameters keep their identity (optimizers and user code that hold them still work);
-    only their storage moves. Padding is zero.
+    only their storage moves, and with it their memory layout: each becomes a contiguous view of
+    its bucket (a bucket holds every parameter in its logical order, which the exchanges, the
+    checkpoints and the optimizer's fragments all rely on). Padding is zero.
     """
+    _warn_of_lost_layouts(params)
     buckets: list[Bucket] = []
     by_dtype: dict[torch.dtype, list[BucketLayout]] = {}
     for layout in layouts:
@@ -338,3 +372,17 @@ def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Param
                 bucket_params.append(param)
             buckets.append(Bucket(layout, rank, weights, bucket_params))
     return sorted(buckets, key=lambda bucket: bucket.layout.index)
+
+
+def _warn_of_lost_layouts(params: dict[str, nn.Parameter]) -> None:
+    """Name the parameters whose strides the buckets change (a channels_last convolution's weight,
+    a parameter created as a transposed view): their values stay, their layout does not."""
+    strided = [name for name, param in params.items() if not param.is_contiguous()]
+    if strided:
+        warnings.warn(
+            f"sdp4bit: parameters {strided[:8]}{'...' if len(strided) > 8 else ''} are not contiguous in memory "
+            "(channels_last, a transposed view); under sdp4bit every trained parameter becomes a contiguous view of "
+            "its bucket, with the same values (DDP keeps the strides). Operations that pick a kernel by layout "
+            "(channels_last convolutions) may run slower; results are unchanged.",
+            stacklevel=4,
+        )

@@ -38,13 +38,15 @@ from lightning_sdp4bit.config import NonFinite
 
 __all__ = [
     "NonFiniteGradientError",
+    "PendingSum",
+    "PendingVerdict",
     "SkippedSteps",
     "StepVerdict",
     "apply_verdict",
     "clip_coefficient",
-    "decide_step",
-    "global_squares",
     "local_squares",
+    "start_sum",
+    "start_verdict",
     "unfrozen_since_start",
 ]
 
@@ -130,25 +132,47 @@ def local_squares(grad_shards: list[Tensor]) -> Tensor:
     return torch.stack(norms).square().sum().reshape(1)
 
 
-def global_squares(grad_shards: list[Tensor], group: Any) -> Tensor:
-    """[1] fp32 on the shards' device: the sum over every rank of `local_squares`. Collective."""
-    squares = local_squares(grad_shards)
-    comm.all_reduce(squares, group=group)
-    return squares
+class PendingSum:
+    """An all-reduce in flight (`start_sum`): `finish()` waits for it and gives the summed tensor."""
+
+    def __init__(self, tensor: Tensor, work: Any):
+        self._tensor, self._work = tensor, work
+
+    def finish(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
+
+
+def start_sum(tensor: Tensor, group: Any) -> PendingSum:
+    """Start summing `tensor` over `group` in place, asynchronously, so that a simulated job can
+    start every rank's sum before it waits for any (`simulation.groups`). Collective."""
+    return PendingSum(tensor, comm.all_reduce(tensor, group=group, async_op=True))
+
+
+class PendingVerdict:
+    """The verdict's two sums in flight (`start_verdict`); `finish()` waits and decides."""
+
+    def __init__(self, squares: PendingSum, counts: PendingSum):
+        self._squares, self._counts = squares, counts
+
+    def finish(self) -> StepVerdict:
+        squares, counts = self._squares.finish(), self._counts.finish()
+        return StepVerdict(squares, tuple(bool(count) for count in counts.tolist()))
+
+
+def start_verdict(grad_shards: list[Tensor], used_here: list[bool], group: Any, host_group: Any) -> PendingVerdict:
+    """Start the sums the verdict needs: the squared gradient elements over `group` (on the
+    gradients' device) and the used bitmap over `host_group` (CPU tensors). Collective."""
+    counts = torch.tensor(used_here, dtype=torch.int32)
+    return PendingVerdict(start_sum(local_squares(grad_shards), group), start_sum(counts, host_group))
 
 
 def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
     """What clipping by the global norm multiplies every gradient by: as torch.nn.utils.clip_grad_norm_,
     max_norm / (norm + 1e-6), capped at 1 (0-dim, on the norm's device; no host synchronisation)."""
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-
-
-def decide_step(grad_shards: list[Tensor], used_here: list[bool], group: Any, host_group: Any) -> StepVerdict:
-    """Collective over `group` (the gradients' device) and `host_group` (CPU tensors)."""
-    squares = global_squares(grad_shards, group)
-    counts = torch.tensor(used_here, dtype=torch.int32)
-    comm.all_reduce(counts, group=host_group)
-    return StepVerdict(squares, tuple(bool(count) for count in counts.tolist()))
 
 
 def apply_verdict(

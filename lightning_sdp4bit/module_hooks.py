@@ -4,6 +4,7 @@
   puts it into the bucket's window gradients and may start the bucket's exchange.
 - A forward pre-hook per module that owns trained parameters: the engine completes the weight
   all-gathers of that module's buckets just before its forward reads them.
+- `CompiledRegionWatch`: learns whether those pre-hooks run inside torch.compile-d code.
 
 Hooks are small classes, not closures, so that they pickle and read well. A deep copy of the
 module (an EMA or SWA average, say) is no replica: its forward pre-hooks become inert.
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from lightning_sdp4bit.engine import ShardedEngine
 
-__all__ = ["register_hooks"]
+__all__ = ["CompiledRegionWatch", "register_hooks"]
 
 
 def register_hooks(engine: ShardedEngine) -> list[Any]:
@@ -62,3 +64,33 @@ class _WeightWaitHook:
 class _InertHook:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         return None
+
+
+class CompiledRegionWatch:
+    """Learns whether the engine's forward pre-hooks run inside torch.compile-d code.
+
+    Under compile, a forward pre-hook that waits on an all-gather cannot be traced (dynamo graph-
+    breaks on `Work.wait`) and its check of the pending set guards the graph, which recompiles
+    whenever that set changes. Both go away when nothing is pending by the time compiled code
+    runs: the hooks then trace as no-ops over an empty set. This watch sits beside each hooked
+    module; dynamo runs its hook at trace time (is_compiling() is True only then) and replays
+    the attribute store on every call of the graph, so `seen` turns True from the first compiled
+    forward on, and the engine's `post_optimizer_step` then completes the all-gathers at once.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.seen = False
+        self._handles = [
+            m.register_forward_pre_hook(self._hook)
+            for m in module.modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+
+    def _hook(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            self.seen = True
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

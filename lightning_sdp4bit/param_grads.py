@@ -25,24 +25,24 @@ import torch
 from lightning_sdp4bit import comm
 
 if TYPE_CHECKING:
-    from lightning_sdp4bit.engine import ShardedEngine
+    from lightning_sdp4bit.rank import ShardedRank
 
 __all__ = ["gradients_on_parameters"]
 
 
 @contextmanager
-def gradients_on_parameters(engine: ShardedEngine) -> Generator[None, None, None]:
-    """Within the block, every trained parameter's `.grad` is the averaged gradient. Collective."""
-    engine.finish_grad_sync()
-    assert engine.verdict is not None
-    used = engine.verdict.used
+def gradients_on_parameters(rank: ShardedRank) -> Generator[None, None, None]:
+    """Within the block, every trained parameter's `.grad` is the averaged gradient; `rank`'s
+    window must be reduced (`ShardedEngine.reduced_gradients`). Collective."""
+    assert rank.verdict is not None
+    used = rank.verdict.used
     exposed = []  # per bucket: the full buffer [N] and each parameter's (grad as set, its version)
     offset = 0
     with torch.no_grad():
-        for bucket in engine.buckets:
+        for bucket in rank.buckets:
             full = torch.empty(bucket.layout.numel, dtype=torch.float32, device=bucket.grad_shard.device)
-            with engine.timeouts.named("reduced-gradient all-gather", bucket.layout.index):
-                comm.all_gather(full, bucket.grad_shard, group=engine.groups.world)
+            with rank.timeouts.named("reduced-gradient all-gather", bucket.layout.index):
+                comm.all_gather(full, bucket.grad_shard, group=rank.groups.world)
             given = []
             for position, (slot, param) in enumerate(zip(bucket.layout.slots, bucket.params, strict=True)):
                 view = full[slot.start : slot.start + slot.numel].view(slot.shape)
@@ -56,7 +56,7 @@ def gradients_on_parameters(engine: ShardedEngine) -> Generator[None, None, None
         dropped = []  # trained-parameter indices whose .grad a hook set to None
         offset = 0
         with torch.no_grad():
-            for bucket, (full, given) in zip(engine.buckets, exposed, strict=True):
+            for bucket, (full, given) in zip(rank.buckets, exposed, strict=True):
                 edited = False
                 for position, (slot, param, (grad, version)) in enumerate(
                     zip(bucket.layout.slots, bucket.params, given, strict=True)
@@ -71,6 +71,6 @@ def gradients_on_parameters(engine: ShardedEngine) -> Generator[None, None, None
                     param.grad = None
                 offset += len(bucket.params)
                 if edited:
-                    lo, hi = bucket.layout.shard_bounds(engine.topology.rank)
+                    lo, hi = bucket.layout.shard_bounds(rank.topology.rank)
                     bucket.grad_shard.copy_(full[lo:hi])
-        engine.drop_grads(dropped)
+        rank.drop_grads(dropped)

@@ -45,11 +45,12 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 
 import torch
+from torch.profiler import record_function
 
 from lightning_sdp4bit.collectives import Pending
 from lightning_sdp4bit.comm import Timeouts
 
-__all__ = ["BucketSchedule", "GradPhase", "WeightPhase", "exchange_stream"]
+__all__ = ["BucketSchedule", "GradPhase", "WeightPhase", "WindowPhase", "exchange_stream"]
 
 
 def exchange_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -71,6 +72,23 @@ class GradPhase(str, Enum):
 class WeightPhase(str, Enum):
     CURRENT = "current"  # the weights are complete and current on every rank
     EXCHANGING = "exchanging"  # the all-gather is in flight: do not read or write the weights
+
+
+class WindowPhase(str, Enum):
+    """Where one rank's accumulation window (the gradients of one optimizer step) is; the buckets'
+    phases above say where each bucket's exchanges are within it. Moves (`rank.ShardedRank`):
+
+        OPEN --reduce--> REDUCED --arm--> ARMED | SKIPPING --step--> STEPPED --zero_grad--> OPEN
+
+    and from any phase back to OPEN on zero_grad; a backward in REDUCED, ARMED or SKIPPING carries
+    the reduced gradients into the new window (DDP adds to them); one in STEPPED starts afresh.
+    """
+
+    OPEN = "open"  # gradients arrive into the window gradients; nothing reduced yet
+    REDUCED = "reduced"  # every exchange complete and the verdict taken: the fragments' .grad are the shards
+    ARMED = "armed"  # weight edits in the masters and the verdict applied: the optimizer steps
+    SKIPPING = "skipping"  # as ARMED, but the host skips this step (a non-finite gradient, nonfinite="skip")
+    STEPPED = "stepped"  # the optimizer stepped and the weight exchange started; still reduced
 
 
 class BucketSchedule:
@@ -133,7 +151,8 @@ class BucketSchedule:
             self.poll()
 
     def _launch(self, index: int) -> None:
-        self._grads[index] = self._start_grads(index)
+        with record_function("sdp4bit::grad_exchange_start"):
+            self._grads[index] = self._start_grads(index)
         self._grads_unmoved.append((index, self._grads[index]))
         self.grad_phase[index] = GradPhase.EXCHANGING
         self._next_launch = index + 1
@@ -152,12 +171,17 @@ class BucketSchedule:
                     return
             unmoved.popleft()
 
-    def finish_grads(self) -> None:
-        """Launch what is left (in order), then wait for every gradient exchange: REDUCED."""
+    def launch_all_grads(self) -> None:
+        """Launch every gradient exchange not yet launched, in order (those whose parameters got no
+        gradient in the synced backward, or all of them when nothing was sent during backward)."""
         while self._next_launch < self.count:
             self._launch(self._next_launch)
+
+    def finish_grads(self) -> None:
+        """Launch what is left (in order), then wait for every gradient exchange: REDUCED."""
+        self.launch_all_grads()
         for index in sorted(self._grads):
-            with self._timeouts.named("gradient reduce-scatter", index):
+            with self._timeouts.named("gradient reduce-scatter", index), record_function("sdp4bit::grad_exchange_wait"):
                 self._grads.pop(index).wait()
             self.grad_phase[index] = GradPhase.REDUCED
             self._reduced += 1
@@ -190,7 +214,8 @@ class BucketSchedule:
     def _launch_due(self, count: int) -> None:
         while self._weights_due and count > 0:
             index = self._weights_due.pop(0)
-            self._weights[index] = self._start_weights(index)
+            with record_function("sdp4bit::weight_exchange_start"):
+                self._weights[index] = self._start_weights(index)
             self._weights_unmoved.append((index, self._weights[index]))
             count -= 1
 
@@ -207,11 +232,16 @@ class BucketSchedule:
         if wanted:
             order = list(self._weights)  # launch order
             for index in order[: max(order.index(i) for i in wanted) + 1]:
-                with self._timeouts.named("weight all-gather", index):
+                with self._timeouts.named("weight all-gather", index), record_function("sdp4bit::weight_exchange_wait"):
                     self._weights.pop(index).wait()
                 self.weight_phase[index] = WeightPhase.CURRENT
                 self._on_weights_current(index)
-        unmoved = self._weights_unmoved  # move the later ones on, in launch order
+        self.poll_weights()
+
+    def poll_weights(self) -> None:
+        """Move the weight exchanges still in flight on, in launch order, up to the first whose
+        current stage has not completed (as `poll` does the gradients')."""
+        unmoved = self._weights_unmoved
         while unmoved:
             index, exchange = unmoved[0]
             if self._weights.get(index) is exchange:  # still in flight

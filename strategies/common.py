@@ -4,8 +4,9 @@
 adapters over the same `ShardedEngine`. Lightning's two strategy base classes have different
 hook names, so each adapter keeps its own class, but everything they decide the same way lives
 here: the precision and topology checks, process-group setup, the engine's construction, the
-user-facing collectives, the weight sync after an optimizer step (compile-aware), and the
-mapping of both checkpoint dicts onto `lightning_sdp4bit.checkpoint`.
+user-facing collectives, and the mapping of both checkpoint dicts onto
+`lightning_sdp4bit.checkpoint`. Both drive the engine through its step protocol alone
+(`lightning_sdp4bit.engine`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ __all__ = [
     "SAVED_BY_FABRIC",
     "START_METHODS",
     "SUPPORTED_PRECISIONS",
-    "CompiledRegionWatch",
     "barrier",
     "broadcast_object",
     "build_engine",
@@ -53,9 +53,10 @@ __all__ = [
     "connect",
     "load_ordinary_state",
     "reduce",
+    "refuse_finetuning_callbacks",
+    "rewire_lightning_optimizers",
     "save_sharded",
     "set_world_ranks",
-    "start_weight_sync",
     "timeouts_of",
 ]
 
@@ -169,6 +170,30 @@ def check_sync_batchnorm_device(module: nn.Module, device: torch.device) -> None
         )
 
 
+def refuse_finetuning_callbacks(trainer: Any) -> None:
+    """BaseFinetuning maps the optimizer's tensors back to the module's parameters and adds
+    parameter groups mid-fit; neither can hold when the optimizer steps sharded masters."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning):
+            raise ValueError(
+                f"{type(callback).__name__} (a BaseFinetuning callback) cannot run under sdp4bit: the set of "
+                "trained parameters is fixed when fit starts, and the optimizer steps sharded fp32 masters, not "
+                "the module's parameters. Freeze parameters before fit (requires_grad=False) and keep them frozen, "
+                "or train them from the start in a parameter group whose learning rate you raise later."
+            )
+
+
+def rewire_lightning_optimizers(wrappers: list[Any]) -> None:
+    """The Trainer's LightningOptimizer wrappers copied their optimizers' class before it was
+    sharded: give them the sharded optimizers' zero_grad (which ends the engine's gradient
+    window) and add_param_group (which refuses)."""
+    for wrapper in wrappers:
+        wrapper.zero_grad = wrapper.optimizer.zero_grad
+        wrapper.add_param_group = wrapper.optimizer.add_param_group
+
+
 def set_world_ranks(strategy: Any) -> None:
     """Global rank = node_rank * processes per node + local rank, as DDP numbers them."""
     if strategy.cluster_environment is not None:
@@ -205,53 +230,13 @@ def build_engine(
     num_processes: int,
     meter: WireMeter,
     timeout: timedelta | None,
+    manual: bool = False,
 ) -> ShardedEngine:
     """The engine over `module` (already on its device, in its training dtype), its process
-    groups bounded by the strategy's `timeout`. Collective."""
+    groups bounded by the strategy's `timeout` (`manual`: see `ShardedEngine`). Collective."""
     ranks_per_node = config.resolve_ranks_per_node(world_size, num_processes)
     topology = Topology(global_rank, world_size, ranks_per_node)
-    return ShardedEngine(module, config, topology, create_process_groups(topology, timeout), meter)
-
-
-class CompiledRegionWatch:
-    """Learns whether the engine's forward pre-hooks run inside torch.compile-d code.
-
-    Under compile, a forward pre-hook that waits on an all-gather cannot be traced (dynamo graph-
-    breaks on `Work.wait`) and its check of the pending set guards the graph, which recompiles
-    whenever that set changes. Both go away when nothing is pending by the time compiled code
-    runs: the hooks then trace as no-ops over an empty set. This watch sits beside each hooked
-    module; dynamo runs its hook at trace time (is_compiling() is True only then) and replays
-    the attribute store on every call of the graph, so `seen` turns True from the first compiled
-    forward on, and `start_weight_sync` below then completes the all-gathers at once.
-    """
-
-    def __init__(self, module: nn.Module):
-        self.seen = False
-        self._handles = [
-            m.register_forward_pre_hook(self._hook)
-            for m in module.modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-
-    def _hook(self, module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():
-            self.seen = True
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-def start_weight_sync(engine: ShardedEngine, watch: CompiledRegionWatch | None) -> dict[str, float]:
-    """After an optimizer step: start the weight all-gathers. Eager forwards wait for each
-    module's buckets in its pre-hook (overlap), and other reads of a parameter wait for its
-    bucket through the read guard; compiled forwards find them complete."""
-    stats = engine.start_weight_sync()
-    if watch is not None and watch.seen:
-        engine.wait_weights()
-    engine.open_read_guard()
-    return stats
+    return ShardedEngine(module, config, topology, create_process_groups(topology, timeout), meter, manual=manual)
 
 
 # The collectives the adapters run for Lightning and the user (sync_dist logging, barriers,

@@ -5,15 +5,17 @@
     model, optimizer = fabric.setup(model, optimizer)
 
 The same engine, config and checkpoint directory as the Trainer's `SDP4BitStrategy`; what both
-decide alike is in `common`. Per optimizer step the engine is driven as follows:
-- `setup_module`: builds the engine over the module (collective: rank 0's weights are broadcast);
-- `setup_optimizer`: `engine.shard_optimizer` re-points the optimizer at the fp32 master fragments;
-- `backward`: `before_backward`, backward (the gradient hooks reduce-scatter bucket by
-  bucket), then `finish_grad_sync` unless inside `fabric.no_backward_sync(model)`, which sets
-  `engine.grad_sync_enabled = False` so that the micro-batch only accumulates;
-- `clip_gradients(max_norm=...)`: `engine.clip_grad_norm`, the global norm over all shards;
-- `optimizer.step()`: the master fragments step, then `start_weight_sync` all-gathers the weights;
-- `save` / `load`: the sharded directory of `lightning_sdp4bit.checkpoint` (`wait_weights` first);
+decide alike is in `common`. Fabric's calls map onto the engine's step protocol
+(`lightning_sdp4bit.engine`):
+- `setup_module`: builds the engine over the module (collective: rank 0's weights are broadcast)
+  and hooks the module's own forward (what DDP's wrapper wraps) with `pre_forward` / `post_forward`;
+- `setup_optimizer`: `shard_optimizer` re-points the optimizer at the fp32 master fragments;
+- `backward`: `pre_backward`, backward (the gradient hooks reduce-scatter bucket by bucket),
+  `post_backward`; inside `fabric.no_backward_sync(model)` (`no_sync`) the micro-batch only accumulates;
+- `clip_gradients(max_norm=... | clip_val=...)`: `clip_grad_norm` (the global norm over all
+  shards) or `clip_grad_value`;
+- `optimizer.step()`: `pre_optimizer_step`, the master fragments step, `post_optimizer_step`;
+- `save` / `load`: the sharded directory of `lightning_sdp4bit.checkpoint`;
 - `teardown`: `close`.
 """
 
@@ -22,8 +24,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -92,7 +94,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         self._backward_sync_control = _EngineBackwardSync(self)
         self.engine: ShardedEngine | None = None
         self._optimizers: list[Optimizer] = []  # in the order they were sharded (the checkpoint's order)
-        self._compile_watch: common.CompiledRegionWatch | None = None
+        self._forward_hooks: list[Any] = []
         self.meter = WireMeter()
         self.comm_stats: dict[str, float] = {}
         """The last optimizer step's communication figures (see lightning_sdp4bit.stats)."""
@@ -144,10 +146,11 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         self.engine = common.build_engine(
             module, self.config, self.global_rank, self.world_size, self.num_processes, self.meter, self._timeout
         )
-        self._compile_watch = common.CompiledRegionWatch(module)
-        # Fabric calls the module's own forward (DDP's wrapper would): buffers follow it.
-        engine = self.engine
-        engine.buffers.follow_forward(lambda: engine.grad_sync_enabled)
+        # Fabric calls the module's own forward, where DDP's wrapper would run its own around it.
+        self._forward_hooks = [
+            module.register_forward_pre_hook(_AroundForward(self.engine.pre_forward), prepend=True),
+            module.register_forward_hook(_AroundForward(self.engine.post_forward)),
+        ]
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -176,10 +179,9 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         if self.engine is None:
             super().backward(tensor, module, *args, **kwargs)
             return
-        self.engine.before_backward()
+        self.engine.pre_backward()
         super().backward(tensor, module, *args, **kwargs)
-        if self.engine.grad_sync_enabled:
-            self.engine.finish_grad_sync()
+        self.engine.post_backward()
 
     def clip_gradients_norm(
         self,
@@ -202,14 +204,19 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
             )
         return norm
 
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clamp the reduced gradients elementwise (the parameters' own .grad are None)."""
+        if self.engine is None:
+            raise RuntimeError("fabric.clip_gradients needs the module set up with fabric.setup first")
+        self.precision.unscale_gradients(optimizer)
+        self.engine.clip_grad_value(float(clip_val))
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self.engine is not None:
-            # The step's verdict (non-finite gradients, parameters without one) and in-place
-            # weight edits since the last step, right before the optimizer reads the masters.
-            self.engine.prepare_step()
+            self.engine.pre_optimizer_step()
         output = super().optimizer_step(optimizer, **kwargs)
         if self.engine is not None:
-            self.comm_stats = common.start_weight_sync(self.engine, self._compile_watch)
+            self.comm_stats = self.engine.post_optimizer_step()
         return output
 
     def wait_weights(self) -> None:
@@ -227,9 +234,9 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
         # still finds the master shards.
         if self.engine is not None:
             self.engine.close()
-        if self._compile_watch is not None:
-            self._compile_watch.close()
-            self._compile_watch = None
+        for handle in self._forward_hooks:
+            handle.remove()
+        self._forward_hooks = []
         super().teardown()
 
     # ----------------------------------------------------------------------------------------
@@ -350,16 +357,21 @@ class _EngineBackwardSync(_BackwardSyncControl):
             return nullcontext()
         if engine is None or module is not engine.module:
             raise TypeError("no_backward_sync takes the model that fabric.setup returned for this strategy")
-        return _sync_disabled(engine)
+        return engine.no_sync()
 
 
-@contextmanager
-def _sync_disabled(engine: ShardedEngine) -> Generator[None, None, None]:
-    engine.grad_sync_enabled = False
-    try:
-        yield
-    finally:
-        engine.grad_sync_enabled = True
+class _AroundForward:
+    """A forward (pre-)hook of the set-up module that calls one step-protocol call. A deep copy of
+    the module (an EMA or SWA average) is no replica: its copy of the hook does nothing."""
+
+    def __init__(self, call: Callable[[], None]):
+        self._call = call
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        self._call()
+
+    def __deepcopy__(self, memo: dict) -> _AroundForward:
+        return _AroundForward(lambda: None)
 
 
 def _stop_started_ranks_on_uncaught_exception(launcher: _SubprocessScriptLauncher) -> None:

@@ -41,7 +41,6 @@ from torch import Tensor
 
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
-from lightning_sdp4bit.param_grads import gradients_on_parameters
 from lightning_sdp4bit.stats import WireMeter
 
 __all__ = ["SUPPORTED_PRECISIONS", "SDP4BitStrategy"]
@@ -96,9 +95,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         self._start_method = start_method
         self.engine: ShardedEngine | None = None
         self._weight_hooks: WeightReadingHooks | None = None
-        self._compile_watch: common.CompiledRegionWatch | None = None
         self._preemption: PreemptionSignal | None = None
-        self._backward_sync_blocked = False  # inside block_backward_sync (DDP's no_sync)
         self.meter = WireMeter()
         self.comm_stats: dict[str, float] = {}
         """The last optimizer step's communication figures (see lightning_sdp4bit.stats)."""
@@ -164,7 +161,9 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         common.check_sync_batchnorm_device(self.model, self.root_device)
         self.engine = None
         if trainer.state.fn == TrainerFn.FITTING:
-            _refuse_finetuning_callbacks(trainer)
+            common.refuse_finetuning_callbacks(trainer)
+            # Manual optimization: no backward is known to be the window's last, so nothing is
+            # sent during backward; the gradients are reduced when opt.step() (or a clip) needs them.
             self.engine = common.build_engine(
                 self.model,
                 self.config,
@@ -173,20 +172,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
                 self.num_processes,
                 self.meter,
                 self._timeout,
+                manual=not self.lightning_module.automatic_optimization,
             )
-            self._compile_watch = common.CompiledRegionWatch(self.model)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self.engine.shard_optimizer(optimizer)
-            # The LightningOptimizer wrappers were copied before sharding: give them the sharded
-            # optimizers' zero_grad (which ends the gradient window) and add_param_group (which refuses).
-            for wrapper in self._lightning_optimizers:
-                wrapper.zero_grad = wrapper.optimizer.zero_grad
-                wrapper.add_param_group = wrapper.optimizer.add_param_group
-            # Manual optimization: no backward is known to be the window's last, so nothing is
-            # sent during backward; the gradients are reduced when opt.step() (or a clip) needs them.
-            self.engine.grad_sync_enabled = self.lightning_module.automatic_optimization
-            self._weight_hooks = WeightReadingHooks(self._wait_weights, self.engine.access.tracking_data_writes)
+            common.rewire_lightning_optimizers(self._lightning_optimizers)
+            self._weight_hooks = WeightReadingHooks(self._wait_weights, self.engine.tracking_weight_writes)
             self._weight_hooks.install(trainer, self.lightning_module)
         else:
             _sync_module_states(self.model)
@@ -196,7 +188,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
             plugin = self.precision_plugin
             # Stock clip-by-norm would take each rank's local shard norm: clip the global norm.
             plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-            plugin.clip_grad_by_value = self._reduced_first(plugin.clip_grad_by_value)  # type: ignore[method-assign]
+            plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
             plugin._after_closure = self._after_closure  # type: ignore[method-assign]
             if self.config.log_comm_stats and not any(isinstance(c, CommStatsLogger) for c in trainer.callbacks):
                 trainer.callbacks.append(CommStatsLogger())
@@ -209,16 +201,9 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         assert self.engine is not None
         self.engine.clip_grad_norm(float(clip_val))
 
-    def _reduced_first(self, clip: Callable[..., None]) -> Callable[..., None]:
-        """Clipping by value reads the fragments' gradients: reduce them first (manual optimization
-        calls self.clip_gradients before opt.step())."""
-
-        def reduce_then_clip(*args: Any, **kwargs: Any) -> None:
-            assert self.engine is not None
-            self.engine.finish_grad_sync()
-            clip(*args, **kwargs)
-
-        return reduce_then_clip
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        assert self.engine is not None
+        self.engine.clip_grad_value(float(clip_val))
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         """Precision._after_closure, with the engine's steps around the hooks: between backward
@@ -232,14 +217,13 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         assert self.engine is not None
         trainer = model.trainer
         readers = [obj for obj in [*trainer.callbacks, model] if overrides_hook(obj, "on_before_optimizer_step")]
-        self.engine.finish_grad_sync()
-        with gradients_on_parameters(self.engine) if readers else nullcontext():
+        with self.engine.reduced_gradients() if readers else nullcontext():
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self.precision_plugin._clip_gradients(
             model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
         )
-        self.engine.prepare_step()
+        self.engine.pre_optimizer_step()
 
     # ----------------------------------------------------------------------------------------
     # The training loop
@@ -247,16 +231,8 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches of gradient accumulation: accumulate, send nothing."""
-        if self.engine is None:
+        with self.engine.no_sync() if self.engine is not None else nullcontext():
             yield
-            return
-        enabled, self.engine.grad_sync_enabled = self.engine.grad_sync_enabled, False
-        self._backward_sync_blocked = True
-        try:
-            yield
-        finally:
-            self.engine.grad_sync_enabled = enabled
-            self._backward_sync_blocked = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().training_step, *args, **kwargs)
@@ -276,23 +252,18 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         wraps nothing either: the buffers were synced once at setup, as there."""
         if self.engine is None:
             return step(*args, **kwargs)
-        self.engine.buffers.before_forward()
-        compiled = getattr(self.lightning_module, "_compiler_ctx", None) is not None  # trainer.fit(torch.compile(m))
-        if compiled or (self._compile_watch is not None and self._compile_watch.seen):
-            self.engine.buffers.wait()  # compiled code then finds nothing in flight: no Work.wait traced
+        self.engine.pre_forward()
         output = step(*args, **kwargs)
-        self.engine.buffers.after_forward(grad_sync=not self._backward_sync_blocked)
+        self.engine.post_forward()
         return output
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
-            self.engine.before_backward()  # first: it closes the read guard, which would see this check
-            self.engine.check_trained_set()
+            self.engine.pre_backward()
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        # Automatic optimization, last micro-batch: the reduce-scatters started during backward.
-        if self.engine is not None and self.engine.grad_sync_enabled:
-            self.engine.finish_grad_sync()
+        if self.engine is not None:
+            self.engine.post_backward()
 
     def optimizer_step(
         self,
@@ -301,15 +272,9 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        manual = self.engine is not None and not self.lightning_module.automatic_optimization
-        if manual:
-            self.engine.finish_grad_sync()  # opt.step() ends the window of manual_backward calls
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
-            self.comm_stats = common.start_weight_sync(self.engine, self._compile_watch)
-            if manual:
-                # training_step goes on after opt.step() and may read or edit the weights at once.
-                self.engine.wait_weights()
+            self.comm_stats = self.engine.post_optimizer_step()
         return output
 
     def _wait_weights(self) -> None:
@@ -349,9 +314,6 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         if self._weight_hooks is not None:
             self._weight_hooks.remove()
             self._weight_hooks = None
-        if self._compile_watch is not None:
-            self._compile_watch.close()
-            self._compile_watch = None
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
@@ -374,24 +336,9 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         return common.reduce(tensor, group, reduce_op, common.timeouts_of(self))
 
 
-def _refuse_finetuning_callbacks(trainer: pl.Trainer) -> None:
-    """BaseFinetuning maps the optimizer's tensors back to the module's parameters and adds
-    parameter groups mid-fit; neither can hold when the optimizer steps sharded masters."""
-    from lightning.pytorch.callbacks import BaseFinetuning
-
-    for callback in trainer.callbacks:
-        if isinstance(callback, BaseFinetuning):
-            raise ValueError(
-                f"{type(callback).__name__} (a BaseFinetuning callback) cannot run under sdp4bit: the set of "
-                "trained parameters is fixed when fit starts, and the optimizer steps sharded fp32 masters, not "
-                "the module's parameters. Freeze parameters before fit (requires_grad=False) and keep them frozen, "
-                "or train them from the start in a parameter group whose learning rate you raise later."
-            )
-
-
 # Lightning's Trainer accepts a compiled LightningModule (trainer.fit(torch.compile(module))) only
 # under the strategies its compile check lists by isinstance: SingleDevice, DDP, FSDP. This one is
 # DDP's kind (full weights on every rank, gradients reduced in backward) and is compile-safe (see
-# common.CompiledRegionWatch), so it registers as a virtual subclass of DDPStrategy. It inherits
+# module_hooks.CompiledRegionWatch), so it registers as a virtual subclass of DDPStrategy. It inherits
 # nothing from DDPStrategy; within Lightning 2.6 only that check and `is_distributed` ask.
 DDPStrategy.register(SDP4BitStrategy)

@@ -4,36 +4,41 @@
                          devices=1, precision="bf16-true", enable_checkpointing=False)
     trainer.fit(module)   # your LightningModule, as a 64-rank job would train it
 
-Each Lightning step runs every simulated rank's step (`lightning_sdp4bit.simulation.engine`): rank
-r's micro-batch is what Lightning's DistributedSampler(num_replicas=W, rank=r) gives it (Lightning
-injects rank 0's sampler, this strategy builds the others from it), its forward and backward run
-with its own RNG state (as each process's own generator would), and its gradients go into its own
-window. Ranks 1..W-1 run first, rank 0 last, so that what `self.log` reports per step is rank 0's,
-as in a real job; epoch-level means cover every rank. Validation runs every rank's share too, so
-a torchmetrics metric or an epoch mean covers the whole validation set, as one synced over a real
-job's ranks does.
+Each Lightning step runs every simulated rank's step on `lightning_sdp4bit.simulation`'s engine,
+through the same step protocol as `SDP4BitStrategy`: rank r's micro-batch is what Lightning's
+DistributedSampler(num_replicas=W, rank=r) gives it (Lightning injects rank 0's sampler, this
+strategy builds the others from it), and its turn (`running_as`) gives it its own RNG stream and
+module buffers, as a process of its own would have. Ranks 1..W-1 run first, rank 0 last, so that
+what `self.log` reports per step is rank 0's, as in a real job; epoch-level means cover every
+rank. Validation runs every rank's share too, so a torchmetrics metric or an epoch mean covers
+the whole validation set, as one synced over a real job's ranks does. During rank r's turn
+`trainer.global_rank` is r and `trainer.world_size` is W, as in rank r's process
+(`trainer.local_rank` and `node_rank` stay 0: one process on one device).
 
-Not supported (refused at setup, with a message): manual optimization, several optimizers,
-clipping by value, sync_batchnorm, hooks that read gradients (`on_before_optimizer_step` overridden), checkpoints
-(the W ranks' optimizer states live in this process only: pass enable_checkpointing=False), more
-than one device, custom samplers or batch samplers, and `trainer.test`/`predict` (validate the
-fitted module with another strategy).
+Not supported (refused before any step, with a message): manual optimization, several
+optimizers, hooks that read gradients (`on_before_optimizer_step` overridden), sync_batchnorm,
+checkpoints (the W ranks' optimizer states live in this process only: pass
+enable_checkpointing=False), more than one device, more than one train dataloader, custom
+samplers or batch samplers, and `trainer.test`/`predict` (use the fitted module with another
+strategy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_sdp4bit.strategies import common
-from lightning_sdp4bit.strategies.hooks import overrides_hook
+from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
+from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_sdp4bit.config import SDP4BitConfig
@@ -41,28 +46,35 @@ from lightning_sdp4bit.simulation import SimulatedEngine, check_shape, parse_wor
 
 __all__ = ["SDP4BitSimulationStrategy"]
 
+# Lightning's own words for a skipped step in a job of several ranks (loops/optimization/automatic.py).
+_NONE_STEP = (
+    "Skipping the `training_step` by returning None in distributed training is not supported. It is "
+    "recommended that you rewrite your training logic to avoid having to skip the step in the first place."
+)
+
 
 def _refuse(what: str) -> None:
     raise ValueError(f"SDP4BitSimulationStrategy: {what}")
 
 
 class _RankLoaders:
-    """Ranks 1..W-1's copies of one DataLoader that Lightning gave rank 0's DistributedSampler,
-    iterated in step with it (restarted, at the loop's epoch, whenever rank 0's starts over)."""
+    """Ranks 1..W-1's copies of one DataLoader that Lightning gave rank 0's DistributedSampler.
+    Each rank's iterator is made in that rank's turn (its base seed is drawn from the rank's own
+    generator, as in its process), whenever rank 0's starts over, at the loop's epoch."""
 
-    def __init__(self, loader: DataLoader, world: int, transfer):
+    def __init__(self, loader: Any, world: int, transfer, stage: str):
         if not isinstance(loader, DataLoader):
-            _refuse(f"got a {type(loader).__name__} of dataloaders; the simulation supports one DataLoader per stage")
+            _refuse(f"the {stage} dataloader is a {type(loader).__name__}; the simulation supports a DataLoader")
         sampler = loader.sampler
         if type(sampler) is not DistributedSampler or type(loader.batch_sampler) is not BatchSampler:
             _refuse(
-                f"the dataloader's sampler is {type(sampler).__name__} with a {type(loader.batch_sampler).__name__}; "
-                "the simulation supports the samplers Lightning replaces by DistributedSampler (a DataLoader with "
-                "shuffle=True or False and no custom sampler or batch_sampler)"
+                f"the {stage} dataloader's sampler is {type(sampler).__name__} with a "
+                f"{type(loader.batch_sampler).__name__}; the simulation supports the samplers Lightning replaces by "
+                "DistributedSampler (a DataLoader with shuffle=True or False and no custom sampler or batch_sampler)"
             )
-        self._transfer = transfer
-        self._loaders = [
-            DataLoader(
+        self._transfer, self._sampler0 = transfer, sampler
+        self._loaders = {
+            rank: DataLoader(
                 loader.dataset,
                 batch_size=loader.batch_size,
                 sampler=DistributedSampler(
@@ -79,24 +91,23 @@ class _RankLoaders:
                 drop_last=loader.drop_last,
             )
             for rank in range(1, world)
-        ]
-        self._iterators: list[Iterator] = []
-        self._sampler0 = sampler
+        }
+        self._iterators: dict[int, Iterator] = {}
 
-    def next_batches(self, restart: bool) -> list[Any]:
-        """Ranks 1..W-1's next batches, on the device; `restart` at rank 0's batch 0."""
-        if restart or not self._iterators:
-            for loader in self._loaders:
-                loader.sampler.set_epoch(self._sampler0.epoch)  # what the loop set on rank 0's
-            self._iterators = [iter(loader) for loader in self._loaders]
-        return [self._transfer(next(iterator)) for iterator in self._iterators]
+    def next_batch(self, rank: int, restart: bool) -> Any:
+        """Rank `rank`'s next batch, on the device; `restart` at rank 0's batch 0."""
+        if restart or rank not in self._iterators:
+            loader = self._loaders[rank]
+            loader.sampler.set_epoch(self._sampler0.epoch)  # what the loop set on rank 0's
+            self._iterators[rank] = iter(loader)
+        return self._transfer(next(self._iterators[rank]))
 
 
 class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
     """Train as a job of `world` = "MxL" ranks (M nodes of L) would, on one device.
 
     Args:
-        world: "MxL" or (M, L), at least 2 ranks.
+        world: "MxL" or (M, L), whole numbers, at least 2 ranks.
         config: as for `SDP4BitStrategy`: an `SDP4BitConfig`, a dict (optionally with "preset") or
             a YAML path. `world` gives the shape: a `ranks_per_node` other than L is refused.
         **kwargs: `accelerator`, `parallel_devices`, `checkpoint_io`, `precision_plugin`, as for
@@ -114,13 +125,20 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         self.engine: SimulatedEngine | None = None
         self.comm_stats: dict[str, float] = {}
         self._loaders: dict[tuple[str, int], _RankLoaders] = {}
-        self._rng: list[Any] = []  # per simulated rank
-        self._buffers: list[list[torch.Tensor]] = []  # per simulated rank: its module buffers
-        self._accumulating = False
+        self._turn_rank = 0  # the simulated rank whose step runs now
+        self._weight_hooks: WeightReadingHooks | None = None
 
     @property
     def simulated_world_size(self) -> int:
         return self.nodes * self.local
+
+    @property
+    def world_size(self) -> int:
+        return self.simulated_world_size  # what every process of the job reports
+
+    @property
+    def global_rank(self) -> int:
+        return self._turn_rank  # rank r during its turn; rank 0 (this process) otherwise
 
     @property
     def is_distributed(self) -> bool:
@@ -137,6 +155,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         if len(self.parallel_devices or []) != 1:
             _refuse(f"runs on one device; the Trainer gave it {len(self.parallel_devices or [])} (set devices=1)")
         self.accelerator.setup_device(self.root_device)
+        reset_seed()  # as each process of a real job does when it sets up its environment
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         # Lightning restores a ckpt_path before the strategy's setup: refused here, before any step.
@@ -150,7 +169,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         self.model.to(self.root_device)
 
     def set_world_ranks(self) -> None:
-        """One process: rank 0 of 1 (the simulated ranks live inside it)."""
+        """One process: the simulated ranks live inside it (`global_rank`, `world_size`)."""
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -160,24 +179,25 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self.engine = SimulatedEngine(module, self.config, self.nodes, self.local)
+        engine = self.engine = SimulatedEngine(module, self.config, self.nodes, self.local)
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             _refuse(f"configure_optimizers returned {len(self.optimizers)} optimizers; the simulation supports one")
-        self.engine.shard_optimizer(self.optimizers[0])
+        engine.shard_optimizer(self.optimizers[0])
+        common.rewire_lightning_optimizers(self._lightning_optimizers)
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
         plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.engine.clip_grad_norm(float(clip_val))
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: engine.clip_grad_norm(float(clip_val))
+        plugin.clip_grad_by_value = lambda optimizer, clip_val: engine.clip_grad_value(float(clip_val))
         plugin._after_closure = self._after_closure
-        self._rng = [_rng_state(self.root_device)] * self.simulated_world_size  # as seed_everything leaves every rank
-        self._buffers = [[b.detach().clone() for b in module.buffers()]] * self.simulated_world_size
+        self._weight_hooks = WeightReadingHooks(engine.wait_weights, engine.tracking_weight_writes)
+        self._weight_hooks.install(trainer, module)
+        engine.share_rng_state()  # every process's set-up ends here, with the same draws as this one's
 
     def _check_supported(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not module.automatic_optimization:
             _refuse("manual optimization is not supported; use automatic optimization")
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            _refuse("gradient_clip_algorithm='value' is not supported; clip by norm")
         readers = [
             type(o).__name__ for o in [*trainer.callbacks, module] if overrides_hook(o, "on_before_optimizer_step")
         ]
@@ -190,86 +210,112 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
             )
         if self._layer_sync is not None:
             _refuse("sync_batchnorm=True is not supported (every rank's batch statistics would be needed at once)")
+        common.refuse_finetuning_callbacks(trainer)
         common.check_precision(getattr(self.precision_plugin, "precision", None))
+
+    def on_train_start(self) -> None:
+        """The train dataloader exists now: refuse what the simulation cannot split, before any step."""
+        loaders = self.lightning_module.trainer.train_dataloader
+        if isinstance(loaders, (Mapping, list, tuple)):
+            if len(loaders) != 1:
+                _refuse(f"got {len(loaders)} train dataloaders; the simulation supports one")
+            loaders = next(iter(loaders.values())) if isinstance(loaders, Mapping) else loaders[0]
+        self._loaders[("train", 0)] = _RankLoaders(loaders, self.simulated_world_size, self.batch_to_device, "train")
+
+    def on_validation_start(self) -> None:
+        loaders = self.lightning_module.trainer.val_dataloaders
+        for index, loader in enumerate(loaders if isinstance(loaders, (list, tuple)) else [loaders]):
+            self._loaders[("val", index)] = _RankLoaders(
+                loader, self.simulated_world_size, self.batch_to_device, "validation"
+            )
 
     # ----------------------------------------------------------------------------------------
     # The step of every rank
 
     @contextmanager
-    def _as_rank(self, rank: int) -> Generator[None, None, None]:
-        """Run with rank `rank`'s RNG state (its own dropout masks) and module buffers, both kept
-        for its next step. With `broadcast_buffers` (DDP's default) every rank's buffers are rank
-        0's at the start of a step, as DDP broadcasts them before each forward: rank 0 runs last,
-        so the module holds its buffers between steps."""
-        _set_rng_state(self._rng[rank], self.root_device)
-        buffers = list(self.lightning_module.buffers())
-        with torch.no_grad():
-            for mine, kept in zip(buffers, self._buffers[rank], strict=True):
-                mine.copy_(kept)
+    def _turn(self, rank: int) -> Generator[None, None, None]:
+        """Rank `rank`'s step: the engine runs as it (its gradients, RNG stream and buffers), and
+        the Trainer and `rank_zero_only` see it as the process's rank."""
+        assert self.engine is not None
+        previous = rank_zero_only.rank
+        self._turn_rank = rank_zero_only.rank = rank
         try:
-            yield
+            with self.engine.running_as(rank):
+                yield
         finally:
-            self._rng[rank] = _rng_state(self.root_device)
-            self._buffers[rank] = [b.detach().clone() for b in buffers]
+            self._turn_rank, rank_zero_only.rank = 0, previous
 
-    def _start_step(self) -> None:
-        if self.config.broadcast_buffers:
-            rank0 = [b.detach().clone() for b in self.lightning_module.buffers()]
-            self._buffers = [rank0] * self.simulated_world_size
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None
+        engine, trainer, batch_idx = self.engine, self.lightning_module.trainer, args[1]
+        accumulate = trainer.accumulate_grad_batches  # Lightning divides each loss by it
+        engine.pre_forward()
+        for rank in range(1, self.simulated_world_size):
+            with self._turn(rank):
+                batch = self._loaders[("train", 0)].next_batch(rank, restart=batch_idx == 0)
+                output = super().training_step(batch, *args[1:], **kwargs)
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                if loss is None:
+                    raise RuntimeError(_NONE_STEP)
+                if batch_idx % accumulate == 0:
+                    engine.zero_grad()  # where Lightning zeroes rank 0's: after its forward, before its backward
+                engine.pre_backward()
+                (loss / accumulate).backward()
+                engine.receive_grads()
+        output = super().training_step(*args, **kwargs)
+        engine.post_forward()
+        return output
 
-    def _others(self, kind: str, index: int, batch_idx: int) -> list[Any]:
-        trainer = self.lightning_module.trainer
-        if (kind, index) not in self._loaders:
-            loaders = trainer.train_dataloader if kind == "train" else trainer.val_dataloaders
-            loader = loaders[index] if isinstance(loaders, (list, tuple)) else loaders
-            self._loaders[(kind, index)] = _RankLoaders(loader, self.simulated_world_size, self.batch_to_device)
-        return self._loaders[(kind, index)].next_batches(restart=batch_idx == 0)
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self.engine is not None
+        self.engine.pre_backward()
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self.engine is not None
+        self.engine.receive_grads()  # rank 0's
+        self.engine.post_backward()
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches of gradient accumulation: the windows add up in fp32."""
-        self._accumulating = True
-        try:
+        assert self.engine is not None
+        with self.engine.no_sync():
             yield
-        finally:
-            self._accumulating = False
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch_idx = args[1]
-        normalize = self.lightning_module.trainer.accumulate_grad_batches  # as Lightning's closure divides
-        self._start_step()
-        for rank, other in enumerate(self._others("train", 0, batch_idx), start=1):
-            with self._as_rank(rank):
-                output = super().training_step(other, batch_idx, *args[2:], **kwargs)
-                loss = output["loss"] if isinstance(output, dict) else output
-                (loss / normalize).backward()
-            self.engine.receive_grads(rank, self._accumulating)
-        with self._as_rank(0):
-            return super().training_step(*args, **kwargs)
-
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self.engine.receive_grads(0, self._accumulating)
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        assert self.engine is not None
         trainer = model.trainer
-        self.engine.finish_grad_sync()
         self.precision_plugin._clip_gradients(
             model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
         )
-        self.engine.prepare_step()
+        self.engine.pre_optimizer_step()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        assert self.engine is not None
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # rank 0's optimizer
-        self.engine.step_other_ranks()
-        self.comm_stats = self.engine.start_weight_sync()
+        self.comm_stats = self.engine.post_optimizer_step()  # and then every other rank's
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None
         batch_idx = args[1]
         index = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
-        for other in self._others("val", index, batch_idx):
-            super().validation_step(other, *args[1:], **kwargs)
-        return super().validation_step(*args, **kwargs)
+        self.engine.pre_forward()
+        for rank in range(1, self.simulated_world_size):
+            with self._turn(rank):
+                batch = self._loaders[("val", index)].next_batch(rank, restart=batch_idx == 0)
+                super().validation_step(batch, *args[1:], **kwargs)
+        output = super().validation_step(*args, **kwargs)
+        self.engine.post_forward()
+        return output
+
+    def teardown(self) -> None:
+        if self._weight_hooks is not None:
+            self._weight_hooks.remove()
+            self._weight_hooks = None
+        if self.engine is not None:
+            self.engine.close()
+        super().teardown()
 
     # ----------------------------------------------------------------------------------------
     # One process: collectives are the identity
@@ -283,15 +329,8 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return tensor
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision  # one decision, taken once for every rank (by rank 0's callbacks)
+
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         return tensor.unsqueeze(0)
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

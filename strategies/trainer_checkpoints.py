@@ -122,7 +122,7 @@ class ShardedCheckpoints:
             )
             # Stochastic rounding seeds derive from the engine's step: continue the count, not restart
             # it (a checkpoint without "global_step" holds no training progress: step 0).
-            self.engine.step = int(checkpoint.get("global_step", 0))
+            self.engine.restore_step(int(checkpoint.get("global_step", 0)))
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         if self.engine is not None:
             # The weights written again with the values the masters got: a load, not a user's write

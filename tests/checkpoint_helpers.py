@@ -106,7 +106,7 @@ def train_step(engine, optimizer, seed: int) -> None:
         for record in records:
             record.master.grad = torch.randn(record.master.shape, generator=generator)
     optimizer.step()
-    engine.start_weight_sync()
+    engine.post_optimizer_step()
     engine.wait_weights()
 
 

@@ -60,7 +60,10 @@ def _run(rank, world, ranks_per_node):
             engine = ShardedEngine(model, config, topology, groups)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             engine.shard_optimizer(optimizer)
-            kinds = ["plain" if isinstance(c, PlainWeightAllGather) else "quantized" for c in engine.weight_collectives]
+            kinds = [
+                "plain" if isinstance(c, PlainWeightAllGather) else "quantized"
+                for c in engine.primary.weight_collectives
+            ]
             checks = []
             for step in range(2):
                 train_step(engine, optimizer, 10 * rank + step)

@@ -13,8 +13,8 @@ against DDPStrategy, the oracle, rank by rank:
   GPU), and both strategies refuse it at setup with an error that says so;
 - `trainer.fit(torch.compile(module))`: buffers and weights equal DDP's, with no graph break and
   as many graphs as under DDPStrategy (the broadcast is waited for before compiled code runs);
-- without a Trainer: the engine's broadcast runs only when DDP's would, and waits in the
-  owning module's forward pre-hook.
+- without a Trainer: the engine's broadcast runs only when DDP's would (counted through a
+  patched collective), and every rank holds rank 0's values once it returns.
 """
 
 import torch
@@ -195,6 +195,7 @@ def test_fabric_buffers_equal_ddp_on_every_rank():
 
 
 def _schedule(rank, world):
+    from lightning_sdp4bit import comm
     from lightning_sdp4bit.buffer_sync import BufferBroadcast
     from lightning_sdp4bit.topology import Topology, create_process_groups
 
@@ -202,26 +203,41 @@ def _schedule(rank, world):
     torch.manual_seed(rank)  # each rank starts with its own buffers
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     model[1].running_mean.normal_()
-    sync = BufferBroadcast(model, groups.world, rank)
-    seen = []
-    for grad_enabled, grad_sync in ((True, False), (True, True), (False, True), (False, True), (True, True)):
-        with torch.set_grad_enabled(grad_enabled):
-            sync.before_forward()
-            started = bool(sync._in_flight)
-            model(torch.randn(8, 4))  # BatchNorm's pre-hook waits for rank 0's values, then updates them
-            sync.after_forward(grad_sync)
-        seen.append(started)
-    off = BufferBroadcast(model, groups.world, rank, enabled=False)
-    off.before_forward()
-    seen.append(bool(off._in_flight))
-    sync.close()
-    return seen
+    broadcasts, broadcast = [], comm.broadcast
+
+    def counting(*args, **kwargs):
+        broadcasts.append(1)
+        return broadcast(*args, **kwargs)
+
+    comm.broadcast = counting
+    try:
+        sync = BufferBroadcast(model, groups.world, rank)
+        seen, agreed = [], []
+        for grad_enabled, grad_sync in ((True, False), (True, True), (False, True), (False, True), (True, True)):
+            with torch.set_grad_enabled(grad_enabled):
+                before = len(broadcasts)
+                sync.before_forward()
+                seen.append(len(broadcasts) > before)
+                gathered = [torch.empty(4) for _ in range(world)]
+                torch.distributed.all_gather(gathered, model[1].running_mean.clone())
+                agreed.append(all(torch.equal(g, gathered[0]) for g in gathered))
+                model(torch.randn(8, 4))  # BatchNorm updates rank 0's values with this rank's batch
+                sync.after_forward(grad_sync)
+        off = BufferBroadcast(model, groups.world, rank, enabled=False)
+        before = len(broadcasts)
+        off.before_forward()
+        seen.append(len(broadcasts) > before)
+    finally:
+        comm.broadcast = broadcast
+    return seen, agreed
 
 
 def test_the_broadcast_runs_on_ddps_schedule():
     # First forward: always. After a no_sync forward: not. After a synced training forward: yes.
     # After an evaluation forward (no grad): not. Disabled: never.
-    assert run_workers(_schedule, 2) == [[True, False, True, False, False, False]] * 2
+    # Right after a broadcast, every rank holds rank 0's values; after a skipped one, its own.
+    expected = ([True, False, True, False, False, False], [True, False, True, False, False])
+    assert run_workers(_schedule, 2) == [expected] * 2
 
 
 def _compiled(rank, world):

@@ -160,9 +160,8 @@ def test_the_buffer_broadcast_is_named(monkeypatch):
     error = RuntimeError("Application timeout caused pair closure")
     monkeypatch.setattr(comm, "broadcast", lambda *args, **kwargs: FailingWork(error))
     sync = BufferBroadcast(nn.BatchNorm1d(4), group=None, rank=3, timeouts=TIMEOUTS)
-    sync.before_forward()
     with pytest.raises(CollectiveTimeoutError) as caught:
-        sync.wait()
+        sync.before_forward()
     assert "rank 3 timed out in the module buffers' broadcast (timeout=10 s)" in str(caught.value)
 
 
@@ -190,7 +189,7 @@ def test_the_engine_names_its_step_verdict_all_reduce(monkeypatch):
     error = RuntimeError(GLOO + "unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete")
 
     def all_reduce(tensor, group=None, async_op=False):
-        raise error  # a synchronous collective: torch waits inside the call
+        raise error  # gloo raises it from the call once the group has timed out
 
     monkeypatch.setattr(comm, "all_reduce", all_reduce)
     groups = ProcessGroups(world=None, intra=None, inter=None, timeout=timedelta(seconds=10))
@@ -198,7 +197,7 @@ def test_the_engine_names_its_step_verdict_all_reduce(monkeypatch):
     engine = ShardedEngine(model, SDP4BitConfig.preset("baseline"), Topology(0, 1, 1), groups)
     model(torch.randn(2, 8)).sum().backward()
     with pytest.raises(CollectiveTimeoutError) as caught:
-        engine.finish_grad_sync()
+        engine.post_backward()
     assert "rank 0 timed out in the step verdict's all-reduces" in str(caught.value)
     assert "(timeout=10 s)" in str(caught.value) and caught.value.__cause__ is error
 

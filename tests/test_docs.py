@@ -3,7 +3,8 @@
 - its configuration table lists every `SDP4BitConfig` field in order, with its default, and in
   each preset's column exactly the values that preset changes (so the table cannot drift from
   `lightning_sdp4bit/config.py`; the docs site generates its own from the field docstrings);
-- CHANGELOG.md keeps an empty `[Unreleased]` section above the released `[0.1.0]` one.
+- CHANGELOG.md is release notes: `[Unreleased]` above the released `[0.1.0]`, entries of a line or
+  two under Keep a Changelog's headings, under 25 KB.
 The docs site itself is checked by `make docs` (mkdocs in strict mode)."""
 
 import re
@@ -55,10 +56,15 @@ def test_readme_configuration_table_matches_the_config():
             assert row[preset] == expected, (preset, name)
 
 
-def test_changelog_has_an_empty_unreleased_section_then_the_release():
+def test_changelog_is_release_notes_with_unreleased_changes_on_top():
     text = (REPO / "CHANGELOG.md").read_text()
     sections = re.findall(r"^## \[([^\]]+)\](.*)$", text, flags=re.M)
     assert [name for name, _ in sections][:2] == ["Unreleased", "0.1.0"]
-    unreleased = text.split("## [Unreleased]", 1)[1].split("## [0.1.0]", 1)[0]
-    assert unreleased.strip() == ""
     assert re.match(r" - \d{4}-\d{2}-\d{2}$", sections[1][1])
+    unreleased = text.split("## [Unreleased]", 1)[1].split("## [0.1.0]", 1)[0]
+    headings = re.findall(r"^### (.+)$", unreleased, flags=re.M)
+    assert set(headings) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, headings
+    # Entries, not stories: each a line or two (a third for a long list of names at most).
+    entries = re.findall(r"^- .*(?:\n  .*)*", unreleased, flags=re.M)  # a bullet and its indented lines
+    assert all(len(entry.splitlines()) <= 3 for entry in entries), entries
+    assert len(text.encode()) < 25_000

@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 
 import lightning_sdp4bit.comm as comm
-from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets
+from lightning_sdp4bit.buffers import allocate_buckets, plan_buckets, shard_alignment
 from lightning_sdp4bit.collectives import PlainGradReduceScatter, TwoLevelGradReduceScatter
 from lightning_sdp4bit.config import SDP4BitConfig
-from lightning_sdp4bit.engine import shard_alignment
 from lightning_sdp4bit.schedule import exchange_stream
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology

@@ -1,117 +1,74 @@
-"""benchmarks/emulated_runs.watch_the_engine, the emulated-network benchmark's view of the engine:
-- within it, each of the engine's entries the model's hooks and the step call is bracketed by its
-  name, and the turn's points are marked; on leaving, even by an exception, the engine's own
-  methods and torch's Stream.wait_event are back;
-- on a GPU, a wait of the compute stream for another stream's event inside an engine call is
-  bracketed as "stream waits", and the bracket ends only after the other stream's work (an
-  order of events, not a timing); a wait outside the engine's calls, or one another stream
-  makes, is not.
+"""benchmarks/emulated_runs.marking_the_turn, how the emulated-network benchmark marks the turn
+from forward to backward with hooks of its own (it replaces nothing of the engine's):
+- in a step of a real engine (one rank, baseline), "last_weights" is marked once, when the
+  forward reaches the first module owning a parameter of bucket 0, after the engine's own
+  pre-hook has run there, and "first_gradients" once, when the last of bucket 0's gradients has
+  been handed to the engine; a new step marks both again;
+- on leaving, even by an exception, the benchmark's hooks are gone (no point in a later step),
+  and the engine's class methods were never shadowed on the instance.
 """
 
-import contextlib
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from emulated_runs import watch_the_engine  # noqa: E402
+from emulated_runs import marking_the_turn  # noqa: E402
 
 
 class _Timer:
-    """PhaseTimer's bracket and point, recorded in order (host clock on the CPU, events on a GPU)."""
-
     def __init__(self):
-        self.entered, self.points, self.spans = [], [], []
-
-    @contextlib.contextmanager
-    def bracket(self, name):
-        self.entered.append(name)
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.spans.append((name, start, end))
-        else:
-            yield
+        self.points = []
 
     def point(self, name):
         self.points.append(name)
 
 
-class _Engine:
-    """The engine's entries watch_the_engine wraps, recording their calls; `wait` runs inside
-    wait_weights (a stand-in for an exchange's wait)."""
+def _engine(monkeypatch):
+    from lightning_sdp4bit import SDP4BitConfig, comm
+    from lightning_sdp4bit.engine import ShardedEngine
+    from lightning_sdp4bit.topology import ProcessGroups, Topology
 
-    def __init__(self, device, wait=lambda: None):
-        self.calls, self._wait = [], wait
-        self.buckets = [type("Bucket", (), {"params": [0, 1], "weights": torch.zeros(2, device=device)})()]
+    class _Done:
+        def wait(self):
+            return True
 
-    def wait_weights(self, indices=None):
-        self.calls.append(("wait_weights", indices))
-        self._wait()
+        def is_completed(self):
+            return True
 
-    def on_grad_ready(self, index, position):
-        self.calls.append(("on_grad_ready", index, position))
+    def done(*args, async_op=False, **kwargs):  # a job of one rank: every collective is complete at once
+        return _Done() if async_op else None
 
-    def finish_grad_sync(self):
-        self.calls.append(("finish_grad_sync",))
+    for name in ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all"):
+        monkeypatch.setattr(comm, name, done)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    config = SDP4BitConfig.preset("baseline", bucket_numel=72)  # the last Linear alone in bucket 0
+    engine = ShardedEngine(model, config, Topology(0, 1, 1), ProcessGroups(world=None, intra=None, inter=None))
+    return model, engine
 
 
-def test_every_entry_is_bracketed_and_the_engine_and_torch_are_restored_on_leaving():
-    engine, timer = _Engine("cpu"), _Timer()
-    original = torch.cuda.Stream.wait_event
-    with pytest.raises(RuntimeError, match="a failing step"), watch_the_engine(engine, timer) as new_step:
-        assert torch.cuda.Stream.wait_event is not original
-        new_step()
-        engine.wait_weights([0])
-        engine.on_grad_ready(0, 0)
-        engine.on_grad_ready(0, 1)
-        engine.finish_grad_sync()
+def test_the_turn_is_marked_once_per_step_by_hooks_of_its_own(monkeypatch):
+    model, engine = _engine(monkeypatch)
+    assert {id(p) for p in engine.buckets[0].params} == {id(p) for p in model[2].parameters()}
+    timer, seen = _Timer(), []
+    with pytest.raises(RuntimeError, match="a failing step"), marking_the_turn(model, engine, timer) as new_step:
+        for module in (model[0], model[2]):  # after the benchmark's own pre-hooks
+            module.register_forward_pre_hook(lambda module, args: seen.append(list(timer.points)))
+        for _ in range(2):
+            new_step()
+            engine.pre_backward()
+            model(torch.randn(4, 8)).square().sum().backward()
+            engine.post_backward()
+        assert timer.points == ["last_weights", "first_gradients"] * 2
+        assert seen[0] == [] and seen[1] == ["last_weights"]  # reached at the last Linear, not before
         raise RuntimeError("a failing step")
-    assert engine.calls == [
-        ("wait_weights", [0]),
-        ("on_grad_ready", 0, 0),
-        ("on_grad_ready", 0, 1),
-        ("finish_grad_sync",),
-    ]
-    assert timer.entered == ["weights", "gradient hooks", "gradient hooks", "gradient finish"]
-    assert timer.points == ["last_weights", "first_gradients"]  # bucket 0's weights; both its gradients
-    assert torch.cuda.Stream.wait_event is original
-    assert not {"wait_weights", "on_grad_ready", "finish_grad_sync"} & set(vars(engine))  # the class's own
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: only a GPU's compute stream waits for other streams")
-def test_a_compute_stream_wait_inside_an_engine_call_is_bracketed_until_the_other_stream_is_done():
-    side = torch.cuda.Stream()
-    a = torch.randn(4096, 4096, device="cuda")
-    done: list[torch.cuda.Event] = []
-
-    def busy_side_stream() -> torch.cuda.Event:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(20):  # tens of ms of work
-                a @ a
-            done.append(torch.cuda.Event())
-            done[-1].record()
-        return done[-1]
-
-    def wait_for_the_side_stream():
-        torch.cuda.current_stream().wait_event(busy_side_stream())
-
-    engine, timer = _Engine("cuda", wait_for_the_side_stream), _Timer()
-    with watch_the_engine(engine, timer):
-        engine.wait_weights([0])
-        torch.cuda.current_stream().wait_event(busy_side_stream())  # outside the engine's calls
-        with torch.cuda.stream(side):
-            engine.wait_weights([0])  # inside, but the side stream's own wait for itself
-    assert timer.entered == ["weights", "stream waits", "weights"]
-    (waits, _, end), (call, _, _) = timer.spans[:2]  # the inner bracket ends first
-    assert (waits, call) == ("stream waits", "weights")
-    # The bracket ends behind the wait: by the time its end has run, the side stream's work has.
-    end.synchronize()
-    assert done[0].query()
-    torch.cuda.synchronize()
+    engine.pre_backward()
+    model(torch.randn(4, 8)).square().sum().backward()
+    assert timer.points == ["last_weights", "first_gradients"] * 2  # the hooks are gone
+    assert not {"wait_weights", "on_grad_ready", "post_backward"} & set(vars(engine))
+    engine.close()

@@ -104,6 +104,9 @@ def test_a_simulated_job_runs_on_one_device_in_the_shape_it_names():
         check_world(load_config(["sdp4bit.simulate=2x4"]), world_size=2)
     with pytest.raises(ConfigError, match=r"^sdp4bit\.ranks_per_node: ranks_per_node=2 contradicts simulate=2x4"):
         check_world(load_config(["sdp4bit.simulate=2x4", "sdp4bit.ranks_per_node=2"]), world_size=1)
+    # YAML reads 0x4 as the number 4: named as what it is, not as simulate='4'.
+    with pytest.raises(ConfigError, match=r"^sdp4bit\.simulate: expected 'MxL' .* got the number 4 \(YAML reads"):
+        check_world(load_config(["sdp4bit.simulate=0x4"]), world_size=1)
 
 
 def test_invalid_yaml_names_the_file_and_the_line(tmp_path):

@@ -45,7 +45,8 @@ def test_help_prints_the_usage_as_written_and_every_setting():
         ("model.dropout=2", "error: model.dropout: must be in [0, 1), got 2.0"),
         (
             "sdp4bit.simulate=16by4",
-            "error: sdp4bit.simulate: simulate='16by4': expected 'MxL' (M nodes of L ranks each), e.g. '16x4'",
+            "error: sdp4bit.simulate: simulate='16by4': expected 'MxL' or (M, L): M nodes of L ranks each, "
+            "whole numbers, e.g. '16x4' or (16, 4)",
         ),
         (
             "sdp4bit.simulate=2x2",  # with trainer.devices=2

@@ -15,9 +15,7 @@ emulated_tables.step_bound.
   gradients' crosses after the backward; the turn's forward tail follows the weights, and its
   backward head precedes the gradients; a DDP in its order moves its gradients only during and
   after the backward;
-- a point within a marked step is read against that step's forward mark; a bracket's time is
-  summed per name over the timed steps with brackets on, and not counted outside them nor with
-  brackets off (the default);
+- a point within a marked step is read against that step's forward mark;
 - each timed step's length is reported, and the garbage collector's passes while a phase is
   timed (and none outside it); the host's lead over the GPU at each mark is read against an
   anchor taken with both clocks together; the allocator's calls are counted per step.
@@ -63,32 +61,6 @@ def test_marked_steps_are_timed_in_segments_that_tile_the_step(ticking_clock):
         # end clock comes one reading after the last step's end.
         assert results[name]["segments_ms"] == {"forward": 1000.0, "backward": 1000.0, "optimizer": 1000.0}
         assert results[name]["step_ms"] == pytest.approx(3000.0 + 1000.0 / ARGS.steps)
-
-
-def test_brackets_are_summed_per_name_over_the_timed_steps_only(ticking_clock):
-    timer = PhaseTimer(None, [Phase("compute")], Namespace(**vars(ARGS), brackets="on"), None)
-    for _ in range(timer.total_steps):
-        with timer.bracket("weights"):  # two readings: 1 s
-            pass
-        with timer.bracket("gradient hooks"):
-            timer.mark("forward")  # one reading inside: 2 s
-        with timer.bracket("gradient hooks"):
-            pass
-        timer.after_step()
-    assert timer.results()["compute"]["brackets_ms"] == {"weights": 1000.0, "gradient hooks": 3000.0}
-
-
-def test_with_brackets_off_the_default_a_bracket_reads_no_clock(ticking_clock):
-    timer = PhaseTimer(None, [Phase("compute")], ARGS, None)
-    for _ in range(timer.total_steps):
-        with timer.bracket("weights"):
-            timer.mark("forward")  # the only reading inside
-        timer.after_step()
-    result = timer.results()["compute"]
-    assert not result["brackets_ms"]
-    # From the last step's end the next reading is the mark's: none was taken for the bracket
-    # (with brackets on, its readings fall between them: 2500 ms).
-    assert result["segments_ms"]["forward"] == 1000.0
 
 
 def test_a_run_that_marks_nothing_reports_no_segments(ticking_clock):

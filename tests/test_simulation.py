@@ -9,6 +9,8 @@
   order, bit for bit as a gloo group's.
 """
 
+import contextlib
+
 import pytest
 import torch
 from distributed import run_workers
@@ -33,25 +35,28 @@ def _setup(preset: str, seed: int = 0):
     return module, optimizer
 
 
-def _train(module, engine, optimizer, ranks, set_accumulating, take_grads, step_others):
-    """The loop both jobs run: `ranks` are the ranks this process computes."""
+def _train(module, engine, optimizer, ranks, simulated):
+    """The loop both jobs run, through the engine's step protocol: `ranks` are the ranks this
+    process computes (the engine's ranks 0, 1, ... in turn)."""
     losses = {rank: [] for rank in ranks}
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
-            accumulating = micro < ACCUMULATE - 1
-            set_accumulating(accumulating)
-            for rank in ranks:
-                loss = module.loss(batch(rank, step, micro))
-                (loss / ACCUMULATE).backward()
-                take_grads(rank, accumulating)
-                losses[rank].append(loss.item())
-        engine.finish_grad_sync()
+            with engine.no_sync() if micro < ACCUMULATE - 1 else contextlib.nullcontext():
+                for index, rank in enumerate(ranks):
+                    with engine.running_as(index):
+                        if micro == 0:
+                            engine.zero_grad()
+                        engine.pre_backward()
+                        loss = module.loss(batch(rank, step, micro))
+                        (loss / ACCUMULATE).backward()
+                        if simulated:
+                            engine.receive_grads()
+                    losses[rank].append(loss.item())
+                engine.post_backward()
         engine.clip_grad_norm(CLIP)
-        engine.prepare_step()
+        engine.pre_optimizer_step()
         optimizer.step()
-        step_others()
-        engine.start_weight_sync()
-        optimizer.zero_grad()
+        engine.post_optimizer_step()
     engine.wait_weights()
     return losses
 
@@ -75,11 +80,7 @@ def _real_job(rank, world, ranks_per_node):
         module, optimizer = _setup(preset)
         engine = ShardedEngine(module, _config(preset), topology, groups)
         engine.shard_optimizer(optimizer)
-
-        def set_accumulating(accumulating, engine=engine):
-            engine.grad_sync_enabled = not accumulating
-
-        losses = _train(module, engine, optimizer, [rank], set_accumulating, lambda r, a: None, lambda: None)
+        losses = _train(module, engine, optimizer, [rank], simulated=False)
         engine.close()
         out[preset] = {"losses": losses[rank], **_state(module, engine.buckets, optimizer)}
     return out
@@ -90,7 +91,7 @@ def _simulate(preset, nodes, ranks_per_node, seed=0):
     engine = SimulatedEngine(module, _config(preset, seed), nodes, ranks_per_node)
     engine.shard_optimizer(optimizer)
     ranks = range(nodes * ranks_per_node)
-    losses = _train(module, engine, optimizer, ranks, lambda a: None, engine.receive_grads, engine.step_other_ranks)
+    losses = _train(module, engine, optimizer, ranks, simulated=True)
     return engine, [
         {
             "losses": losses[r],

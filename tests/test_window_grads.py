@@ -204,14 +204,15 @@ def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in
     with _emulated_engine(benchmark_script) as (model, engine):
         buckets, params = len(engine.buckets), sum(len(b.params) for b in engine.buckets)
         assert buckets == 2 and params == 4
-        engine.before_backward()
-        engine.grad_sync_enabled = False  # a micro-batch outside the sync
-        model(torch.randn(8, 64)).square().mean().backward()
+        with engine.no_sync():  # a micro-batch outside the sync
+            engine.pre_backward()
+            model(torch.randn(8, 64)).square().mean().backward()
+            engine.post_backward()
         assert calls == {"receive_grad": params, "receive_grads": 0}
         assert all(bucket.grads.dtype == torch.float32 and not bucket.held for bucket in engine.buckets)
-        engine.grad_sync_enabled = True
+        engine.pre_backward()
         model(torch.randn(8, 64)).square().mean().backward()
-        engine.finish_grad_sync()
+        engine.post_backward()
         assert calls == {"receive_grad": params, "receive_grads": buckets}
         assert all(bucket.received == set(range(len(bucket.params))) for bucket in engine.buckets)
         engine.close()
@@ -251,10 +252,10 @@ def test_the_compressed_exchange_reads_held_gradients_in_place_with_the_bytes_of
     def shards(in_place):
         monkeypatch.setattr(TwoLevelGradReduceScatter, "reads_in_place", in_place)
         with _emulated_engine(benchmark_script) as (model, engine):
-            engine.before_backward()
+            engine.pre_backward()
             with mock.patch.object(torch, "cat", wraps=torch.cat) as cats:
                 model(torch.randn(8, 64)).square().mean().backward()
-                engine.finish_grad_sync()
+                engine.post_backward()
             result = [bucket.grad_shard.clone() for bucket in engine.buckets]
             engine.close()
         return result, cats.call_count

@@ -192,8 +192,14 @@ def simulated_world(s: Settings) -> tuple[int, int] | None:
     spec = s.sdp4bit.get("simulate")
     if spec is None:
         return None
+    if not isinstance(spec, str):  # YAML reads 0x4 as the hexadecimal number 4, 2 as a number
+        raise ConfigError(
+            "sdp4bit.simulate",
+            f"expected 'MxL' (M nodes of L ranks each, e.g. 16x4), got the number {spec!r} (YAML reads a value "
+            "such as 0x4 as a hexadecimal number); at least 1 node of 1 rank and 2 ranks in all",
+        )
     try:
-        return parse_world(str(spec))
+        return parse_world(spec)
     except ValueError as err:
         raise ConfigError("sdp4bit.simulate", str(err)) from None
 

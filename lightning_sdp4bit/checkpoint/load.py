@@ -199,7 +199,7 @@ def load_sharded(
             optimizer.load_state_dict(state)
     else:
         _apply_full_state(engine, optimizers, full)
-    engine.step = int(meta["engine_step"])
+    engine.restore_step(int(meta["engine_step"]))
     engine.meter.load_state_dict(meta["meter"])
     # Checkpoints from before the count was saved: their skipped steps are unknown, counted from 0.
     engine.skipped.restore(int(meta.get("skipped_steps", 0)))
