@@ -176,6 +176,12 @@ class SDP4BitConfig:
     anyway; the user guide's "Non-finite gradients" says which weights turn non-finite). Every rank takes
     the same decision."""
 
+    nonfinite_skip_limit: int = 20
+    """With nonfinite="skip": after this many optimizer steps skipped in a row, every rank stops
+    with NonFiniteGradientError (0: never). A transient overflow passes within a few steps; a run
+    that skips on and on is not training. Whatever the limit, a skipped step after which the
+    masters or weights hold Inf or NaN (a hook wrote them) stops every rank at once."""
+
     broadcast_buffers: bool = True
     """Before a forward, every rank takes rank 0's module buffers (BatchNorm's running statistics,
     any registered buffer), on DDP's schedule, as DDP's `broadcast_buffers=True` (its default);
@@ -215,6 +221,9 @@ class SDP4BitConfig:
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel!r}")
         _check_int("seed", self.seed)
+        _check_int("nonfinite_skip_limit", self.nonfinite_skip_limit)
+        if self.nonfinite_skip_limit < 0:
+            raise ValueError(f"nonfinite_skip_limit must be >= 0 (0: no limit), got {self.nonfinite_skip_limit!r}")
         if not isinstance(self.log_comm_stats, bool):
             raise ValueError(f"log_comm_stats must be true or false, got {self.log_comm_stats!r}")
         if not isinstance(self.broadcast_buffers, bool):

@@ -19,8 +19,8 @@ draws the same with the window's phases; `schedule.WindowPhase`):
     zero_grad()                    (the sharded optimizers' zero_grad calls it) the next window
 
 and, outside the step: `shard_optimizer`, `wait_weights` (weights complete for a reader),
-`tracking_weight_writes` (a hook's writes through `.data` count), `absorb_weight_edits` (before
-a checkpoint), `weights_loaded` / `restore_step` (after one), `running_as` (a simulated job's
+`tracking_weight_writes` (a hook's writes through `.data` count), `before_save` (edits in, all
+finite), `weights_loaded` / `restore_step` (after a checkpoint), `running_as` (a simulated job's
 rank), `close`. Every check
 of a step (the trained set, the buffers, the read guard, weight edits, the verdict) sits behind
 these calls, so no front end can forget one. Each runs under a `sdp4bit::<name>` profiler label.
@@ -45,7 +45,7 @@ from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffer_sync import BufferBroadcast, BufferRule
 from lightning_sdp4bit.buffers import Bucket, allocate_buckets, bucket_layouts, layout_signature
 from lightning_sdp4bit.config import SDP4BitConfig
-from lightning_sdp4bit.guards import unfrozen_since_start
+from lightning_sdp4bit.guards import check_state_finite, stop_if_skipping_cannot_recover, unfrozen_since_start
 from lightning_sdp4bit.module_hooks import CompiledRegionWatch, register_hooks
 from lightning_sdp4bit.optim import replica_optimizer, shard_optimizer, step_replica
 from lightning_sdp4bit.param_grads import gradients_on_parameters
@@ -319,7 +319,9 @@ class ShardedEngine:
                 # optimization's training_step goes on after the step and may touch any weight.
                 self.wait_weights()
             self.primary.access.open_guard(self.primary.schedule.exchanging_weights())
-            return [rank.end_step() for rank in self.ranks][0]
+            stats = [rank.end_step() for rank in self.ranks][0]
+            stop_if_skipping_cannot_recover(self.ranks, self.config, self.trained_names)
+            return stats
 
     def zero_grad(self) -> None:
         """The running rank's optimizer.zero_grad(): its accumulated and reduced gradients are
@@ -355,11 +357,14 @@ class ShardedEngine:
         for rank in self.ranks:
             rank.wait_weights(selected)
 
-    def absorb_weight_edits(self) -> None:
-        """Before a checkpoint is written: the weights complete, and every write to them since the
-        last exchange taken into the masters (as `pre_optimizer_step` does before a step)."""
+    def before_save(self) -> None:
+        """Before a checkpoint is written: the weights complete, every write to them since the last
+        exchange taken into the masters (as `pre_optimizer_step` does before a step), and the
+        masters and weights finite on every rank, or NonFiniteStateError (nothing is written).
+        Collective."""
         for rank in self.ranks:
             rank.absorb_weight_edits()
+        check_state_finite(self.ranks, self.trained_names, "before a checkpoint is written")
 
     def tracking_weight_writes(self) -> AbstractContextManager:
         """A `with` block (a user hook) in which writes through `p.data` of trained parameters

@@ -28,25 +28,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_sdp4bit import comm
-from lightning_sdp4bit.config import NonFinite
+from lightning_sdp4bit.config import NonFinite, SDP4BitConfig
+
+if TYPE_CHECKING:
+    from lightning_sdp4bit.rank import ShardedRank
 
 __all__ = [
     "NonFiniteGradientError",
+    "NonFiniteStateError",
+    "describe_nonfinite",
+    "finite_flags",
     "PendingSum",
     "PendingVerdict",
     "SkippedSteps",
     "StepVerdict",
     "apply_verdict",
+    "check_state_finite",
     "clip_coefficient",
     "local_squares",
     "start_sum",
     "start_verdict",
+    "stop_if_skipping_cannot_recover",
     "unfrozen_since_start",
 ]
 
@@ -66,6 +74,10 @@ class SkippedSteps:
         self.on_host, self._rank, self._logged = 0, rank, 0
         self._on_device = torch.zeros((), dtype=torch.float32, device=device)
         self._read = torch.zeros((), dtype=torch.float32, pin_memory=device.type == "cuda")
+        self.in_a_row = 0  # steps skipped in a row, as `lagging` last counted them
+        self.since: int | None = None  # the first of them
+        self.grew = False  # whether the last `lagging` counted a new one
+        self._previous = 0  # the total the last `lagging` returned
 
     def host_skip(self, step: int) -> None:
         self.on_host += 1
@@ -81,27 +93,111 @@ class SkippedSteps:
         """`flag`: the verdict's device tensor, 1.0 when the fused optimizers skip this step."""
         self._on_device += flag
 
-    def lagging(self) -> int:
-        """The total as of about one step ago: the copy issued last call has landed by now."""
+    def lagging(self, step: int) -> int:
+        """The total as of about one step ago (the copy issued last call has landed by now), at the
+        end of optimizer step `step`; also counts the steps skipped in a row. A host skip is
+        counted at its own step, a device skip one step later (so its streak starts at step - 1)."""
         landed = int(self._read.item())
         self._read.copy_(self._on_device, non_blocking=True)
         if landed > self._logged and self._rank == 0:
             log.warning("sdp4bit: %d optimizer steps skipped so far for non-finite gradients", landed)
-        self._logged = landed
-        return self.on_host + landed
+        total = self.on_host + landed
+        self.grew = total > self._previous
+        if self.grew:
+            if self.in_a_row == 0:
+                self.since = step if landed == self._logged else step - 1
+            self.in_a_row += total - self._previous
+        else:
+            self.in_a_row, self.since = 0, None
+        self._logged, self._previous = landed, total
+        return total
 
     def exact(self) -> int:
         return self.on_host + int(self._on_device.item())
 
     def restore(self, total: int) -> None:
         """Continue counting from a checkpoint's `exact()`."""
-        self.on_host, self._logged = total, 0
+        self.on_host, self._logged, self._previous = total, 0, total
+        self.in_a_row, self.since, self.grew = 0, None, False
         self._on_device.zero_()
         self._read.zero_()
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """Raised on every rank, at the same step, when `nonfinite="error"` and a gradient is Inf or NaN."""
+    """Raised on every rank, at the same step, when `nonfinite="error"` and a gradient is Inf or NaN,
+    or when more steps than `nonfinite_skip_limit` were skipped in a row."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """Raised on every rank when fp32 masters or model weights hold Inf or NaN (a hook wrote them):
+    no step can recover, and no checkpoint may hold them. Names the parameters and the ranks."""
+
+
+def finite_flags(fragments: Iterable[Any], buckets: Iterable[Any], world: int, rank: int, params: int) -> Tensor:
+    """[world, 2, params] int32 on the host, zero but for row `rank`: per trained parameter
+    (bucket order), 1 where its masters on this rank (column 0) or its weights in this rank's
+    replica (column 1) hold an Inf or NaN. One host synchronisation; for a sum over the ranks."""
+    checks, where = [], []
+    for record in fragments:
+        checks.append(torch.isfinite(record.master).all())
+        where.append((0, record.param_index))
+    offset = 0
+    for bucket in buckets:
+        for position, slot in enumerate(bucket.layout.slots):
+            checks.append(torch.isfinite(bucket.weights[slot.start : slot.start + slot.numel]).all())
+            where.append((1, offset + position))
+        offset += len(bucket.layout.slots)
+    flags = torch.zeros(world, 2, params, dtype=torch.int32)
+    for (kind, index), finite in zip(where, torch.stack(checks).tolist(), strict=True):
+        flags[rank, kind, index] = int(not finite)
+    return flags
+
+
+def check_state_finite(ranks: list[ShardedRank], names: list[str], when: str) -> None:
+    """Raise NonFiniteStateError on every rank, naming the parameters (`names`: the trained ones,
+    in bucket order) and the ranks, if any rank's fp32 masters or model weights hold Inf or NaN.
+    Collective: each of `ranks` (the engine's) starts its sum before any waits."""
+    pending = [rank.start_finite_check() for rank in ranks]
+    flags = [rank.finish_finite_check(sums) for rank, sums in zip(ranks, pending, strict=True)][0]
+    if flags.any():
+        raise NonFiniteStateError(
+            f"sdp4bit: {when}, parameters {describe_nonfinite(flags, names)} hold Inf or NaN. Non-finite "
+            "weights make every later gradient non-finite, so no step can recover: every rank stops here, "
+            "before a checkpoint can hold them. A hook or callback that writes the weights (a clamp, an "
+            "average copied in, a load) may have written them."
+        )
+
+
+def stop_if_skipping_cannot_recover(ranks: list[ShardedRank], config: SDP4BitConfig, names: list[str]) -> None:
+    """Skipping is right for a transient overflow, not for a state no step can leave: after a step
+    skipped for non-finite gradients (nonfinite="skip"), stop every rank if the masters or weights
+    hold Inf or NaN (a hook wrote them), or if `config.nonfinite_skip_limit` steps in a row were
+    skipped. Collective, on skipped steps only (every rank counts the same skips)."""
+    skipped = ranks[0].skipped
+    if config.nonfinite is not NonFinite.SKIP or not skipped.grew:
+        return
+    streak = f"{skipped.in_a_row} optimizer step(s) skipped in a row since step {skipped.since}"
+    check_state_finite(ranks, names, f"after {streak}")
+    limit = config.nonfinite_skip_limit
+    if limit and skipped.in_a_row >= limit:
+        raise NonFiniteGradientError(
+            f"sdp4bit: {streak}, every one for a non-finite gradient, with finite masters and weights: the run is "
+            f"not training (nonfinite_skip_limit={limit}). Find the batch or layer that overflows, or raise the "
+            "limit (0: no limit)."
+        )
+
+
+def describe_nonfinite(flags: Tensor, names: list[str]) -> str:
+    """Which parameters `flags` (summed `finite_flags`) marks, where: "a (masters on ranks [0])"."""
+    found = []
+    for index in (flags.sum(dim=(0, 1)) > 0).nonzero().flatten().tolist():
+        places = [
+            f"{kind} on ranks {(flags[:, column, index] > 0).nonzero().flatten().tolist()}"
+            for column, kind in ((0, "masters"), (1, "weights"))
+            if flags[:, column, index].any()
+        ]
+        found.append(f"{names[index]!r} ({'; '.join(places)})")
+    return ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
 
 
 class StepVerdict:

@@ -35,6 +35,7 @@ from lightning_sdp4bit.guards import (
     StepVerdict,
     apply_verdict,
     clip_coefficient,
+    finite_flags,
     local_squares,
     start_sum,
     start_verdict,
@@ -49,9 +50,10 @@ __all__ = ["MasterFragment", "ShardedRank", "master_fragments"]
 
 # The window phases in which the reduced gradients are held and not yet stepped on.
 _REDUCED_NOT_STEPPED = (WindowPhase.REDUCED, WindowPhase.ARMED, WindowPhase.SKIPPING)
-# What a timeout in the verdict's and the clip's sums names (`comm.Timeouts.named`).
+# What a timeout in the verdict's, the clip's and the state check's sums names (`comm.Timeouts.named`).
 _VERDICT = "the step verdict's all-reduces of the gradient norm and the used parameters"
 _NORM = "the global gradient norm's all-reduce"
+_FINITE = "the all-reduce that checks the masters and weights are finite"
 
 
 @dataclass(frozen=True)
@@ -338,5 +340,17 @@ class ShardedRank:
     def end_step(self) -> dict[str, float]:
         """The step's communication figures (`stats.WireMeter`) and the skipped steps so far."""
         stats = self.meter.end_step()
-        stats["nonfinite_steps"] = self.skipped.lagging()
+        stats["nonfinite_steps"] = self.skipped.lagging(self.step - 1)
         return stats
+
+    def start_finite_check(self) -> PendingSum:
+        """Start summing `guards.finite_flags` of this rank's masters and replica over the ranks
+        (on the host group: CPU tensors). Collective."""
+        params = sum(len(bucket.params) for bucket in self.buckets)
+        flags = finite_flags(self.fragments, self.buckets, self.topology.world_size, self.topology.rank, params)
+        with self.timeouts.named(_FINITE):
+            return start_sum(flags, self.groups.host or self.groups.world)
+
+    def finish_finite_check(self, pending: PendingSum) -> Tensor:
+        with self.timeouts.named(_FINITE):
+            return pending.finish()

@@ -285,9 +285,9 @@ def save_sharded(
 ) -> None:
     """Write the sharded directory; `checkpoint` holds everything but the weights and optimizer
     state (Lightning's dict, or a Fabric user's other entries). Collective."""
-    # The weight shards written must be the replicas' current ones, and in-place edits since
-    # the step must be in the masters: absorb_weight_edits waits for the weights, then takes them in.
-    engine.absorb_weight_edits()
+    # The weight shards written must be the replicas' current ones, in-place edits since the step
+    # must be in the masters, and none of it may be non-finite (before_save raises on every rank).
+    engine.before_save()
     sharded_checkpoint.save_sharded(engine, optimizers, checkpoint, path, barrier_fn)
 
 
