@@ -6,8 +6,9 @@ its commit, before its last rename, is complete at `last.ckpt.partial`, which th
 not see (see `lightning_sdp4bit.checkpoint.recovery`). These launchers rename it into place in
 every process first, so "last" resumes from it. They also refuse, before any worker starts, a
 `ckpt_path` that names a local path where nothing can be loaded (every worker would fail the
-same way after its setup). Subclasses, not wrappers: Lightning tells the launchers apart by
-isinstance.
+same way after its setup). And they hand the entry point's `weights_only` to the
+strategy (`entry_weights_only`), which Lightning 2.6 does not pass on to a strategy that restores
+after its setup. Subclasses, not wrappers: Lightning tells the launchers apart by isinstance.
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "check_ckpt_path",
+    "entry_argument",
     "finish_interrupted_checkpoint_saves",
 ]
 # ckpt_path values that name no file: Lightning resolves them in each worker
 _CKPT_PATH_NAMES = ("last", "best", "hpc")
+
+
+def entry_argument(name: str, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The argument `name` that a Trainer entry point (`function`: Lightning's `_fit_impl`, ...)
+    was called with; None where it has no such parameter (not a Trainer entry point)."""
+    try:
+        return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(name)
+    except (TypeError, ValueError):
+        return None
 
 
 def check_ckpt_path(function: Callable, *args: Any, **kwargs: Any) -> None:
@@ -41,10 +52,7 @@ def check_ckpt_path(function: Callable, *args: Any, **kwargs: Any) -> None:
     ...) was called with: a local path with neither a checkpoint nor a complete interrupted save
     of one (`path.partial`) raises FileNotFoundError, naming it. A name Lightning resolves
     ("last", "best", "hpc", "registry..."), a URL, or None passes."""
-    try:
-        path = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
-    except (TypeError, ValueError):  # not a Trainer entry point: nothing to check
-        return
+    path = entry_argument("ckpt_path", function, *args, **kwargs)
     if not isinstance(path, (str, os.PathLike)):
         return
     text = os.fspath(path)
@@ -81,6 +89,8 @@ class _FinishesInterruptedSaves:
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
             finish_interrupted_checkpoint_saves(trainer)
+            # Trainer._run restores after the strategy's setup without its weights_only (2.6.6).
+            trainer.strategy.entry_weights_only = entry_argument("weights_only", function, *args, **kwargs)
         check_ckpt_path(function, *args, **kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 

@@ -21,7 +21,8 @@ One concern per module:
 - `consolidate`: one ordinary Lightning checkpoint from a sharded one;
 - `lock`: one writer per path (`x.ckpt.lock`, held by rank 0 during a save);
 - `recovery`: finishing a first save interrupted between its commit and its last rename;
-- `upgrade`: converting the older formats in place (`python -m lightning_sdp4bit.checkpoint.upgrade`).
+- `upgrade`: converting the older formats in place (`python -m lightning_sdp4bit.checkpoint.upgrade`);
+- `unpickling`: reading every file with torch's weights_only unpickler, so that none can run code.
 """
 
 from lightning_sdp4bit.checkpoint.consolidate import consolidate_checkpoint

@@ -7,6 +7,9 @@ checkpoint's. Under a process group the ranks then agree (`files.agree`), so tha
 failure raises the same CheckpointError everywhere, before anything in the module, the engine or
 the optimizers has changed.
 
+Every file is read without running code (`unpickling`): the shards with weights_only=True, meta.pt
+with Lightning's `weights_only` argument (None: torch's default, True).
+
 Loading with the layout it was saved with reads one shard per rank. Otherwise (another world
 size, bucket size or alignment) every rank reads all shards, rebuilds each parameter's full
 master weights, weights and elementwise optimizer state by name (the **full state**), and cuts
@@ -39,6 +42,7 @@ from lightning_sdp4bit.checkpoint.files import (
     verify_file,
 )
 from lightning_sdp4bit.checkpoint.save import fragment_map, layout_record
+from lightning_sdp4bit.checkpoint.unpickling import META_OPT_OUT, load_restricted
 from lightning_sdp4bit.engine import ShardedEngine
 
 __all__ = [
@@ -108,31 +112,28 @@ def _generation(path: Path) -> str | None:
         return None
 
 
-def _meta(path: Path, manifest: Manifest) -> dict[str, Any]:
+def _meta(path: Path, manifest: Manifest, weights_only: bool | None) -> dict[str, Any]:
     """meta.pt, verified, with the generation it was read from under "generation"."""
     check_complete(path, manifest)
-    return {**_load(verify_file(path, manifest, META)), "generation": manifest.generation}
+    meta = load_restricted(verify_file(path, manifest, META), weights_only, META_OPT_OUT)
+    return {**meta, "generation": manifest.generation}
 
 
-def _load(file: Path) -> Any:
-    try:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise CheckpointError(f"{file}: unreadable ({describe(error)})") from error
-
-
-def read_meta(path: str | os.PathLike, *, collective: bool = False, timeouts: Any = None) -> dict[str, Any]:
+def read_meta(
+    path: str | os.PathLike, *, collective: bool = False, timeouts: Any = None, weights_only: bool | None = None
+) -> dict[str, Any]:
     """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size),
     with the generation it was read from under "generation" (for `load_sharded`). With
     `collective=True` every rank of the default process group calls it and all of them raise the
-    same CheckpointError if any rank could not read it (`timeouts`: see `agree`)."""
+    same CheckpointError if any rank could not read it (`timeouts`: see `agree`). `weights_only`:
+    Lightning's argument, for meta.pt (see `unpickling`)."""
     if not collective:
         path = find_checkpoint(path)
-        return _consistently(path, lambda manifest: _meta(path, manifest))
+        return _consistently(path, lambda manifest: _meta(path, manifest, weights_only))
     meta, error = None, None
     try:
         found = find_checkpoint(path)
-        meta = _consistently(found, lambda manifest: _meta(found, manifest))
+        meta = _consistently(found, lambda manifest: _meta(found, manifest, weights_only))
     except Exception as caught:
         error = describe(caught)
     agree(error, timeouts=timeouts)
@@ -144,13 +145,15 @@ def load_sharded(
     optimizers: list[torch.optim.Optimizer] | None,
     path: str | os.PathLike,
     generation: str | None = None,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Restore masters, weights, the engine's step and (if `optimizers` is given) optimizer
     state from a sharded checkpoint into a running engine. Returns the meta dict (Lightning's
     part under "lightning"). Collective: every rank calls it. Raises CheckpointError on every
     rank, with nothing modified, if any rank finds the checkpoint incomplete, damaged,
     misplaced or made for another model. `generation`: the one an earlier `read_meta` gave
-    (meta["generation"]), which the shards must come from (another job may have saved since)."""
+    (meta["generation"]), which the shards must come from (another job may have saved since).
+    `weights_only`: Lightning's argument, for meta.pt (see `unpickling`)."""
     path = find_checkpoint(path)
     rank = engine.topology.rank
 
@@ -161,13 +164,13 @@ def load_sharded(
                 f"{path} changed while it was loaded: meta.pt was read from {generation}, the shards would come "
                 f"from {manifest.generation} (another job saved to it meanwhile); load it again"
             )
-        meta = _meta(path, manifest)
+        meta = _meta(path, manifest, weights_only)
         check_parameters(engine, {name: shape for name, (shape, _) in manifest.parameters.items()}, exact=True)
         check_state_dict(engine.module, meta["untrained_state"], strict=False)
         if meta["world_size"] == engine.topology.world_size and meta["layout"] == layout_record(engine):
             name = shard_file(rank)
             file = verify_file(path, manifest, name)
-            shard = _load(file)
+            shard = load_restricted(file)
             check_shard(file, shard, manifest.files[name])
             if optimizers is not None:
                 _check_same_layout_optimizers(engine, optimizers, shard, file)
@@ -221,12 +224,12 @@ def _check_same_layout_optimizers(
             raise CheckpointError(f"{file}: optimizer {index}'s parameter groups differ from the checkpoint's")
 
 
-def read_full_state(path: str | os.PathLike) -> dict[str, Any]:
+def read_full_state(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """Every parameter's full master weights, model weights and optimizer state, by name, from
     all shards of a sharded checkpoint (the memory of the whole model's training state), each
-    file verified. Not collective."""
+    file verified. Not collective. `weights_only`: Lightning's argument, for meta.pt."""
     path = find_checkpoint(path)
-    return _consistently(path, lambda manifest: _read_full_state(path, manifest, _meta(path, manifest)))
+    return _consistently(path, lambda manifest: _read_full_state(path, manifest, _meta(path, manifest, weights_only)))
 
 
 def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +240,7 @@ def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> di
     for rank in range(meta["world_size"]):
         name = shard_file(rank)
         file = verify_file(path, manifest, name)
-        shard = _load(file)
+        shard = load_restricted(file)
         check_shard(file, shard, manifest.files[name])
         for bucket_meta, saved in zip(meta["layout"], shard["buckets"], strict=True):
             lo = rank * bucket_meta["shard_numel"]
