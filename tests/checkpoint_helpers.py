@@ -105,8 +105,9 @@ class FileOps:
         self._saved.clear()
 
 
-def make_engine(rank: int, world: int, width: int = 32, **config: Any):
-    """A 1-block TinyLM under a sharded engine (qWD + TLq-HS), and an AdamW re-pointed at it."""
+def make_engine(rank: int, world: int, width: int = 32, optimizer_class: type | None = None, **config: Any):
+    """A 1-block TinyLM under a sharded engine (qWD + TLq-HS), and an AdamW (or an
+    `optimizer_class` with lr=1e-2) re-pointed at it."""
     from lightning_sdp4bit import SDP4BitConfig
     from lightning_sdp4bit.engine import ShardedEngine
     from lightning_sdp4bit.topology import Topology, create_process_groups
@@ -115,7 +116,10 @@ def make_engine(rank: int, world: int, width: int = 32, **config: Any):
     model = make_model(0, layers=1, width=width)
     config = SDP4BitConfig.preset("sdp4bit", **{"bucket_numel": 3000, **config})
     engine = ShardedEngine(model, config, topology, create_process_groups(topology))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if optimizer_class is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        optimizer = optimizer_class(model.parameters(), lr=1e-2)
     engine.shard_optimizer(optimizer)
     return engine, optimizer
 

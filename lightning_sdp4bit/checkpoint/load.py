@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from lightning_sdp4bit.checkpoint.changes import check_optimizer, check_step, warn_config_changes
 from lightning_sdp4bit.checkpoint.files import (
     META,
     CheckpointError,
@@ -172,8 +173,9 @@ def load_sharded(
             file = verify_file(path, manifest, name)
             shard = load_restricted(file)
             check_shard(file, shard, manifest.files[name])
+            check_step(file, shard, meta)
             if optimizers is not None:
-                _check_same_layout_optimizers(engine, optimizers, shard, file)
+                _check_same_layout_optimizers(engine, optimizers, shard, file, meta.get("optimizer_classes"))
             return manifest.generation, meta, shard, None
         full = _read_full_state(path, manifest, meta)
         _check_full_state(engine, optimizers, full)
@@ -202,6 +204,8 @@ def load_sharded(
             optimizer.load_state_dict(state)
     else:
         _apply_full_state(engine, optimizers, full)
+    if rank == 0:
+        warn_config_changes(path, meta["config"], engine.config.to_dict())
     engine.step = int(meta["engine_step"])
     engine.meter.load_state_dict(meta["meter"])
     # Checkpoints from before the count was saved: their skipped steps are unknown, counted from 0.
@@ -210,7 +214,11 @@ def load_sharded(
 
 
 def _check_same_layout_optimizers(
-    engine: ShardedEngine, optimizers: list[torch.optim.Optimizer], shard: dict[str, Any], file: Path
+    engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer],
+    shard: dict[str, Any],
+    file: Path,
+    classes: list[str] | None,
 ) -> None:
     if len(shard["optimizers"]) != len(optimizers):
         raise CheckpointError(
@@ -219,6 +227,7 @@ def _check_same_layout_optimizers(
     if shard["fragments"] != [fragment_map(engine, i) for i in range(len(optimizers))]:
         raise CheckpointError(f"{file}: the optimizers' parameters differ from those the checkpoint was saved with")
     for index, (optimizer, state) in enumerate(zip(optimizers, shard["optimizers"], strict=True)):
+        check_optimizer(index, optimizer, state["param_groups"], classes[index] if classes else None)
         saved = [len(g["params"]) for g in state["param_groups"]]
         if saved != [len(g["params"]) for g in optimizer.param_groups]:
             raise CheckpointError(f"{file}: optimizer {index}'s parameter groups differ from the checkpoint's")
@@ -242,6 +251,7 @@ def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> di
         file = verify_file(path, manifest, name)
         shard = load_restricted(file)
         check_shard(file, shard, manifest.files[name])
+        check_step(file, shard, meta)
         for bucket_meta, saved in zip(meta["layout"], shard["buckets"], strict=True):
             lo = rank * bucket_meta["shard_numel"]
             for slot_name, shape, start in bucket_meta["slots"]:
@@ -261,6 +271,7 @@ def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> di
         "weights": {name: t.view(shapes[name]) for name, t in weights.items()},
         "optimizers": optimizers,
         "optimizer_param_names": meta["optimizer_param_names"],
+        "optimizer_classes": meta.get("optimizer_classes"),  # None before they were recorded
     }
 
 
@@ -300,7 +311,9 @@ def _check_full_state(
         raise CheckpointError(
             f"the checkpoint holds {len(full['optimizers'])} optimizer states, the module has {len(optimizers)}"
         )
+    classes = full.get("optimizer_classes")
     for index, saved in enumerate(full["optimizers"]):
+        check_optimizer(index, optimizers[index], saved["param_groups"], classes[index] if classes else None)
         groups, current = full["optimizer_param_names"][index], engine.optimizer_param_names[index]
         if [len(g) for g in groups] != [len(g) for g in current] or len(saved["param_groups"]) != len(current):
             raise CheckpointError(f"optimizer {index}'s parameter groups differ from those in the checkpoint")
