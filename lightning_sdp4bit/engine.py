@@ -38,8 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sdp4bit import comm
+from lightning_sdp4bit.agreement import check_ranks_agree
 from lightning_sdp4bit.buffer_sync import BufferBroadcast
-from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, layout_signature, plan_buckets
+from lightning_sdp4bit.buffers import Bucket, Fragment, allocate_buckets, plan_buckets
 from lightning_sdp4bit.collectives import Pending, grad_collective_for
 from lightning_sdp4bit.config import SDP4BitConfig, auto_bucket_numel
 from lightning_sdp4bit.guards import (
@@ -182,19 +183,9 @@ class ShardedEngine:
 
     def _check_ranks_agree(self, layouts, device: torch.device) -> None:
         """Fail loudly, on every rank, if ranks built different models or configs: otherwise
-        their collectives would not match and the job would hang or silently mix tensors."""
-        digest = layout_signature(layouts, extra=repr(sorted(self.config.to_dict().items())))
-        mine = torch.tensor([digest], dtype=torch.int64, device=device)
-        everyone = torch.empty(self.topology.world_size, dtype=torch.int64, device=device)
-        with self.timeouts.named("the all-gather that checks every rank built the same model and config"):
-            comm.all_gather(everyone, mine, group=self.groups.world)
-        differing = [rank for rank, value in enumerate(everyone.tolist()) if value != everyone[0].item()]
-        if differing:
-            raise ValueError(
-                f"ranks {differing} built a different model or SDP4BitConfig than rank 0 (parameter "
-                "names, shapes, dtypes, requires_grad, bucket layout or config fields differ). Every rank "
-                "must build the same LightningModule with the same config."
-            )
+        their collectives would not match and the job would hang or silently mix tensors. The
+        error names what differs (`lightning_sdp4bit.agreement`)."""
+        check_ranks_agree(layouts, self.config, self.topology.world_size, self.groups.world, self.timeouts, device)
 
     def _broadcast_from_rank_zero(self) -> None:
         """Start every rank from rank 0's weights, frozen parameters and buffers, as DDP does."""
