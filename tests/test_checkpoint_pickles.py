@@ -7,7 +7,8 @@
   untouched, and the payload never runs (before, every one of them ran it);
 - Lightning's `weights_only` is honoured for what Lightning puts in meta.pt: hyperparameters
   holding a `pathlib.PurePosixPath` are refused by default, naming meta.pt and the type, and load
-  with `fit(..., weights_only=False)` and `load_from_checkpoint(..., weights_only=False)`;
+  with `fit`, `validate` and `load_from_checkpoint` given `weights_only=False` (fit and validate
+  dropped it before: Lightning 2.6 does not pass it to a strategy that restores after setup);
 - what the package writes loads with weights_only=True: the Trainer's sharded checkpoint (it
   resumes) and the consolidated file (plain torch.load).
 """
@@ -148,11 +149,18 @@ def _lightning(rank, world, directory):
         trainer.fit(PathHyperparameter(**DATA), ckpt_path=path, **kwargs)
         return trainer.global_step
 
+    def validate(path, **kwargs):
+        trainer = make_trainer(world, sdp4bit())
+        trainer.validate(PathHyperparameter(**DATA), ckpt_path=path, verbose=False, **kwargs)
+        return "validated"
+
     out = {
         "fit planted": _refusal(fit, str(directory / "planted.ckpt")),
         "fit path": _refusal(fit, with_path),
         "fit path trusted": fit(with_path, weights_only=False),
         "fit plain": fit(plain),
+        "validate path": _refusal(validate, with_path),
+        "validate path trusted": validate(with_path, weights_only=False),
     }
     if rank == 0:
         out["load planted"] = _refusal(TinyLMModule.load_from_checkpoint, directory / "planted.ckpt")
@@ -179,6 +187,7 @@ def test_lightning_honours_weights_only_and_refuses_a_payload(tmp_path):
         assert "pass weights_only=False to fit" in path
         assert planted == results[0]["fit planted"] and path == results[0]["fit path"]  # every rank
         assert out["fit path trusted"] == 3 and out["fit plain"] == 3  # resumed from step 2
+        assert out["validate path"] == path and out["validate path trusted"] == "validated"
     out = results[0]
     assert "meta.pt: refused: it holds builtins.exec" in out["load planted"]
     assert "meta.pt: refused: it holds pathlib.PurePosixPath" in out["load path"]
