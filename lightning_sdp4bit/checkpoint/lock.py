@@ -208,7 +208,7 @@ def _write_draft(lock: Path) -> Path:
     draft = lock.with_name(f"{lock.name}.{me['pid']}-{me['pid_start']}@{me['host']}{_DRAFT}")
     try:
         with open(draft, "w") as file:
-            json.dump(_me(), file)
+            json.dump(me, file)
             file.flush()
             os.fsync(file.fileno())
     except BaseException:
@@ -303,22 +303,18 @@ def held_by_live_writer(path: Path) -> bool:
     return holder is not None and not _is_mine(holder) and _stale(lock, holder) is None
 
 
-def remove_stale_in(directory: Path) -> list[Path]:
+def remove_stale_in(directory: Path) -> None:
     """Remove, with a warning that names each, the locks in `directory` whose writer is provably
-    gone (see `_provably_gone`), and the drafts no writer will link; returns the locks removed.
-    For a launcher before any rank starts: a restarted job's own earlier locks are left to its
-    first save, which takes them over."""
-    removed = []
+    gone (see `_provably_gone`), and the drafts no writer will link. For a launcher before any
+    rank starts: a restarted job's own earlier locks are left to its first save, which takes them over."""
     try:
         entries = list(directory.iterdir())
     except FileNotFoundError:
-        return []
-    for lock in (e for e in entries if e.name.endswith(LOCK)):
+        return
+    for lock in (e for e in entries if e.name.endswith(LOCK) and e.is_file()):
         holder = _read(lock)
         why = None if holder is None or _is_mine(holder) else _provably_gone(lock, holder)
         if why is not None:
             warnings.warn(f"sdp4bit: removing the stale lock {lock} ({_describe(holder or {})}): {why}", stacklevel=3)
             _remove_if_unchanged(lock, holder or {})
-            removed.append(lock)
     _remove_abandoned_drafts(directory)
-    return removed
