@@ -42,8 +42,9 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from lightning_sdp4bit import comm
+from lightning_sdp4bit.agreement import check_ranks_agree
 from lightning_sdp4bit.buffer_sync import BufferBroadcast, BufferRule
-from lightning_sdp4bit.buffers import Bucket, allocate_buckets, bucket_layouts, layout_signature
+from lightning_sdp4bit.buffers import Bucket, allocate_buckets, bucket_layouts
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.guards import check_state_finite, stop_if_skipping_cannot_recover, unfrozen_since_start
 from lightning_sdp4bit.module_hooks import CompiledRegionWatch, register_hooks
@@ -89,7 +90,7 @@ class ShardedEngine:
         layouts = bucket_layouts(named, config, topology.world_size)
         timeouts = comm.Timeouts(topology.rank, groups.timeout)
         device = named[0][1].device
-        _check_ranks_agree(layouts, config, topology, groups, device, timeouts)
+        check_ranks_agree(layouts, config, topology.world_size, groups.world, timeouts, device)
         with torch.no_grad():
             buckets = allocate_buckets(layouts, dict(named), topology.rank)
             _broadcast_from_rank_zero(module, buckets, groups, timeouts)
@@ -415,25 +416,6 @@ class ShardedEngine:
         self._hooks = []
         if self._compile_watch is not None:
             self._compile_watch.close()
-
-
-def _check_ranks_agree(
-    layouts: list, config: SDP4BitConfig, topology: Topology, groups: ProcessGroups, device, timeouts
-) -> None:
-    """Fail loudly, on every rank, if ranks built different models or configs: otherwise their
-    collectives would not match and the job would hang or silently mix tensors."""
-    digest = layout_signature(layouts, extra=repr(sorted(config.to_dict().items())))
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    everyone = torch.empty(topology.world_size, dtype=torch.int64, device=device)
-    with timeouts.named("the all-gather that checks every rank built the same model and config"):
-        comm.all_gather(everyone, mine, group=groups.world)
-    differing = [rank for rank, value in enumerate(everyone.tolist()) if value != everyone[0].item()]
-    if differing:
-        raise ValueError(
-            f"ranks {differing} built a different model or SDP4BitConfig than rank 0 (parameter "
-            "names, shapes, dtypes, requires_grad, bucket layout or config fields differ). Every rank "
-            "must build the same LightningModule with the same config."
-        )
 
 
 def _broadcast_from_rank_zero(module: nn.Module, buckets: list[Bucket], groups: ProcessGroups, timeouts) -> None:

@@ -25,7 +25,9 @@ was signalled, every rank sets `trainer.received_sigterm` and raises Lightning's
 `SIGTERMException` at the same batch, so `on_exception` callbacks (OnExceptionCheckpoint) run
 on every rank together and the processes exit (status 0, as Lightning's own SIGTERM exit).
 Outside fit (validate, test, predict: no lock-step batches) the handler sets Lightning's flag
-directly and Lightning's loops stop at their next batch.
+directly and Lightning's loops stop at their next batch. The same all-reduce carries each rank's
+batches per epoch, so that ranks whose data end at different batches stop together with an error
+that names them (`uneven_data`), instead of waiting for a rank that has finished.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from lightning_sdp4bit.strategies import uneven_data
 
 from lightning_sdp4bit import comm
 
@@ -86,17 +89,21 @@ class PreemptionSignal:
 
     def stop_if_signalled(self) -> None:
         """At the start of a training batch: if any rank got SIGTERM, raise SIGTERMException on
-        every rank. Collective (every rank calls it at every batch)."""
-        signalled = self.signalled
+        every rank; if the ranks' data end at different batches, UnevenDataError at the shortest
+        rank's last one. Collective (every rank calls it at every batch)."""
+        signalled, reduced = self.signalled, None
         if self._group is not None:
-            flag = torch.tensor([int(signalled)], dtype=torch.int32)
+            # [SIGTERM flag, batches per epoch, minus batches per epoch], maxima over the ranks.
+            values = torch.tensor([int(signalled), *uneven_data.agreement_values(self.trainer)], dtype=torch.int64)
             with self._timeouts.named("the per-batch SIGTERM agreement's all-reduce"):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            signalled = bool(flag.item())
+                dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._group)
+            signalled, reduced = bool(values[0]), values[1:].tolist()
         if signalled:
             log.info(rank_prefixed_message("sdp4bit: stopping at this batch (SIGTERM)", self.trainer.local_rank))
             self.trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
+        if reduced is not None:
+            uneven_data.stop_if_uneven(self.trainer, reduced, self._group, self._timeouts)
 
     def close(self) -> None:
         """After fit: Lightning's own handler and per-batch check again; drop the group."""

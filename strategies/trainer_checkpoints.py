@@ -23,10 +23,16 @@ __all__ = ["ShardedCheckpoints"]
 
 _SHARDED_KEY = "sdp4bit_checkpoint_dir"  # marks a checkpoint dict loaded from a sharded directory
 _GENERATION_KEY = "sdp4bit_checkpoint_generation"  # the generation its meta.pt was read from
+_WEIGHTS_ONLY_KEY = "sdp4bit_weights_only"  # Lightning's weights_only, for meta.pt when the shards load
 
 
 class ShardedCheckpoints:
     """Lightning's checkpoint hooks of a strategy, for sharded checkpoint directories."""
+
+    entry_weights_only: bool | None = None
+    """The `weights_only` that fit / validate / test / predict was called with, which Lightning
+    2.6 does not pass to `load_checkpoint` of a strategy that restores after its setup (as this
+    one must); the strategy's launcher records it (`launchers.entry_argument`)."""
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._wait_weights()
@@ -56,7 +62,11 @@ class ShardedCheckpoints:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: every rank reads and verifies, then all agree, so that one rank's failure is
-        the same CheckpointError on every rank instead of a peer's socket error later."""
+        the same CheckpointError on every rank instead of a peer's socket error later. Every file
+        is read without running code; `weights_only` (or the entry point's) applies to meta.pt
+        (`lightning_sdp4bit.checkpoint.unpickling`)."""
+        if weights_only is None:
+            weights_only = self.entry_weights_only
         path = sharded_checkpoint.find_checkpoint(checkpoint_path)
         if not path.is_dir():
             checkpoint, error = None, None
@@ -66,7 +76,10 @@ class ShardedCheckpoints:
                 error = f"{path}: {describe(caught)}"
             agree(error, timeouts=common.timeouts_of(self))
             return checkpoint
-        meta = sharded_checkpoint.read_meta(path, collective=True, timeouts=common.timeouts_of(self))
+        meta = sharded_checkpoint.read_meta(
+            path, collective=True, timeouts=common.timeouts_of(self), weights_only=weights_only
+        )
+        marks = {_SHARDED_KEY: str(path), _GENERATION_KEY: meta["generation"], _WEIGHTS_ONLY_KEY: weights_only}
         if meta["lightning"].get(common.SAVED_BY_FABRIC) is not None:
             # Fabric's loop has no Trainer state to give: the weights, master weights, optimizer
             # state and the engine's step resume; Lightning's loops and schedulers start afresh.
@@ -81,16 +94,14 @@ class ShardedCheckpoints:
                 "state_dict": meta["untrained_state"],
                 "optimizer_states": [],
                 "lr_schedulers": [],
-                _SHARDED_KEY: str(path),
-                _GENERATION_KEY: meta["generation"],
+                **marks,
             }
         # The heavy tensors stay on disk until load_model_state_dict / load_optimizer_state_dict.
         return {
             **meta["lightning"],
             "state_dict": meta["untrained_state"],
             "optimizer_states": [],
-            _SHARDED_KEY: str(path),
-            _GENERATION_KEY: meta["generation"],
+            **marks,
         }
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -101,15 +112,17 @@ class ShardedCheckpoints:
         # Everything is checked before anything in the module changes.
         optimizers = [_unwrap(opt) for opt in self.optimizers] if self.engine is not None else None
         if _SHARDED_KEY in checkpoint:
-            path = checkpoint[_SHARDED_KEY]
+            path, weights_only = checkpoint[_SHARDED_KEY], checkpoint.get(_WEIGHTS_ONLY_KEY)
             if self.engine is not None:
                 # The shards of the generation load_checkpoint read the loop state from.
-                sharded_checkpoint.load_sharded(self.engine, optimizers, path, checkpoint.get(_GENERATION_KEY))
+                sharded_checkpoint.load_sharded(
+                    self.engine, optimizers, path, checkpoint.get(_GENERATION_KEY), weights_only
+                )
                 module.load_state_dict(checkpoint["state_dict"], strict=False)
                 # A tied weight's second name writes the loaded value again: no user write.
                 self.engine.weights_loaded()
             else:
-                full = sharded_checkpoint.read_full_state(path)
+                full = sharded_checkpoint.read_full_state(path, weights_only)
                 state_dict = {**checkpoint["state_dict"], **full["weights"]}
                 sharded_checkpoint.check_state_dict(module, state_dict, strict)
                 module.load_state_dict(state_dict, strict=strict)

@@ -16,6 +16,8 @@ from models import make_model
 
 # The file operations a save may use; nested calls (shutil.rmtree's own unlinks) count as one.
 FILE_OPERATIONS = [
+    (os, "open"),
+    (os, "link"),
     (os, "replace"),
     (os, "rename"),
     (os, "mkdir"),
@@ -35,15 +37,32 @@ class InjectedFault(OSError):
     """What a failed file operation raises (as a full disk or a lost mount would)."""
 
 
+# os.open flags that make it a write (opening a directory to fsync it is not one).
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+
+def _reading(args: tuple, kwargs: dict) -> bool:
+    """Whether open(file, mode) or os.open(path, flags) opens for reading only."""
+    mode = args[1] if len(args) > 1 else kwargs.get("mode", kwargs.get("flags", "r"))
+    return not set(mode) & set("wax+") if isinstance(mode, str) else not mode & _WRITE_FLAGS
+
+
 class FileOps:
     """`with FileOps(fail_at=k):` counts every file operation in FILE_OPERATIONS (opening for
     reading is not one) and makes operation k (0-based) fail before it runs: it raises
     InjectedFault, or calls `action` (e.g. one that SIGKILLs the process). With `proceed=True`
     operation k runs after `action` returns (e.g. one that sends SIGTERM, which a handler only
-    notes). `ops` lists them."""
+    notes); with `after=True` operation k runs first and `action` follows it (e.g. a SIGKILL
+    right after a file was created). `ops` lists them."""
 
-    def __init__(self, fail_at: int | None = None, action: Callable[[], None] | None = None, proceed: bool = False):
-        self.fail_at, self.action, self.proceed = fail_at, action, proceed
+    def __init__(
+        self,
+        fail_at: int | None = None,
+        action: Callable[[], None] | None = None,
+        proceed: bool = False,
+        after: bool = False,
+    ):
+        self.fail_at, self.action, self.proceed, self.after = fail_at, action, proceed, after
         self.ops: list[tuple[str, str]] = []
         self.fired = False
         self._inside = False
@@ -51,23 +70,25 @@ class FileOps:
 
     def _wrap(self, name: str, function: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
-            if self._inside or (name == "open" and isinstance(mode, str) and not set(mode) & set("wax+")):
+            if self._inside or (name == "open" and _reading(args, kwargs)):
                 return function(*args, **kwargs)
             target = args[1] if name == "save" else args[0]
             label = os.path.basename(target) if isinstance(target, (str, os.PathLike)) else type(target).__name__
             self.ops.append((name, label))
-            if len(self.ops) - 1 == self.fail_at:
+            chosen = len(self.ops) - 1 == self.fail_at
+            if chosen:
                 self.fired = True
-                if self.action is not None:
+                if self.action is not None and not self.after:
                     self.action()
-                if not self.proceed:
+                if not self.proceed and not self.after:
                     raise InjectedFault(f"injected fault at file operation {self.fail_at}: {name}{self.ops[-1][1:]}")
             self._inside = True
             try:
                 return function(*args, **kwargs)
             finally:
                 self._inside = False
+                if chosen and self.after and self.action is not None:
+                    self.action()
 
         return wrapper
 
@@ -84,8 +105,9 @@ class FileOps:
         self._saved.clear()
 
 
-def make_engine(rank: int, world: int, width: int = 32, **config: Any):
-    """A 1-block TinyLM under a sharded engine (qWD + TLq-HS), and an AdamW re-pointed at it."""
+def make_engine(rank: int, world: int, width: int = 32, optimizer_class: type | None = None, **config: Any):
+    """A 1-block TinyLM under a sharded engine (qWD + TLq-HS), and an AdamW (or an
+    `optimizer_class` with lr=1e-2) re-pointed at it."""
     from lightning_sdp4bit import SDP4BitConfig
     from lightning_sdp4bit.engine import ShardedEngine
     from lightning_sdp4bit.topology import Topology, create_process_groups
@@ -94,7 +116,10 @@ def make_engine(rank: int, world: int, width: int = 32, **config: Any):
     model = make_model(0, layers=1, width=width)
     config = SDP4BitConfig.preset("sdp4bit", **{"bucket_numel": 3000, **config})
     engine = ShardedEngine(model, config, topology, create_process_groups(topology))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if optimizer_class is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        optimizer = optimizer_class(model.parameters(), lr=1e-2)
     engine.shard_optimizer(optimizer)
     return engine, optimizer
 

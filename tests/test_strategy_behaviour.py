@@ -4,8 +4,10 @@ DDP's bit for bit; bf16-mixed trains; devices=1 equals DDP on one device; the sp
 launcher works (and saving after a spawned fit says what it can write); ranks that build
 different models fail at setup with a clear error instead of hanging; bad arguments and
 precisions fail when the Trainer is built, and a ckpt_path with nothing to load when fit or
-validate is called, before any process starts."""
+validate is called, before any process starts; a ckpt_path that only rank 1 cannot find names
+rank 1 and the directory it looked in."""
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -198,3 +200,30 @@ def test_ckpt_path_names_urls_and_none_are_left_to_lightning(tmp_path, monkeypat
     partial = tmp_path / "x3.ckpt.partial"
     monkeypatch.setattr(launchers, "complete_partial", lambda path: partial if str(path).endswith("x3.ckpt") else None)
     check_ckpt_path(_fit_impl, None, ckpt_path=tmp_path / "x3.ckpt")
+
+
+def test_a_ckpt_path_missing_on_one_rank_names_the_rank_and_its_directory(tmp_path):
+    """fit(ckpt_path="rel.ckpt") under Lightning's popen launcher, the file in rank 0's working
+    directory only: rank 1's error names it, the path and the directory it was resolved against
+    (it read "no process was started", although rank 0 had started it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parent / "rank_directory_job.py"
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank1").mkdir()
+    (tmp_path / "rank0" / "rel.ckpt").write_bytes(b"")  # rank 0 passes the check, then waits for rank 1
+    finished = subprocess.run(
+        [sys.executable, str(job), str(tmp_path / "rank1")],
+        cwd=tmp_path / "rank0", capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    output = finished.stdout + finished.stderr
+    assert finished.returncode != 0
+    assert "no process was started" not in output, output[-3000:]
+    expected = (
+        "rank 1 on host .*: ckpt_path='rel.ckpt' does not exist, and no interrupted save left a complete "
+        f"rel.ckpt.partial there: it looked for {tmp_path}/rank1/rel.ckpt \\(resolved against its working "
+        f"directory {tmp_path}/rank1\\)"
+    )
+    assert re.search(expected, output), output[-3000:]

@@ -7,9 +7,11 @@ A checkpoint is a directory (the format, `files`):
                                          each shard's rank and tensors, every parameter's shape
     x.ckpt/gen_000003/meta.pt            rank 0: format, world size, bucket layout, config, the
                                          engine's step, untrained entries (buffers, frozen
-                                         parameters), the optimizers' parameter names, and the
-                                         rest of Lightning's checkpoint dict (loops, schedulers, ...)
-    x.ckpt/gen_000003/shard_00000.pt     one per rank: per bucket the fp32 master shard [S] and
+                                         parameters), the optimizers' classes and parameter names,
+                                         and the rest of Lightning's checkpoint dict (loops,
+                                         schedulers, ...)
+    x.ckpt/gen_000003/shard_00000.pt     one per rank, saved at the engine's step (meta.pt's):
+                                         per bucket the fp32 master shard [S] and
                                          the model weights' slice [S], the rank's optimizer state
                                          dicts, and for each optimizer parameter index the
                                          (parameter name, first element, element count) it steps
@@ -21,7 +23,9 @@ One concern per module:
 - `consolidate`: one ordinary Lightning checkpoint from a sharded one;
 - `lock`: one writer per path (`x.ckpt.lock`, held by rank 0 during a save);
 - `recovery`: finishing a first save interrupted between its commit and its last rename;
-- `upgrade`: converting the older formats in place (`python -m lightning_sdp4bit.checkpoint.upgrade`).
+- `upgrade`: converting the older formats in place (`python -m lightning_sdp4bit.checkpoint.upgrade`);
+- `unpickling`: reading every file with torch's weights_only unpickler, so that none can run code;
+- `changes`: what a resume changes (another optimizer class, another config, files of several saves).
 """
 
 from lightning_sdp4bit.checkpoint.consolidate import consolidate_checkpoint

@@ -18,7 +18,10 @@ WEIGHT_SOURCES = ("masters", "module")
 
 
 def consolidate_checkpoint(
-    path: str | os.PathLike, output: str | os.PathLike | None = None, weights: str = "masters"
+    path: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    weights: str = "masters",
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Turn a sharded checkpoint directory into one ordinary Lightning checkpoint dict.
 
@@ -33,10 +36,13 @@ def consolidate_checkpoint(
       from (writes to the weights by hooks and callbacks are in them);
     - "module": the module's weights every replica held, in the module's dtype: what the model
       computed with (after qWD, the masters' 4-bit-exchanged copy; under bf16-true, rounded).
+
+    `weights_only`: as Lightning's, for meta.pt (the shards are always read with weights_only=True;
+    see `lightning_sdp4bit.checkpoint.unpickling`).
     """
     if weights not in WEIGHT_SOURCES:
         raise ValueError(f"consolidate_checkpoint: weights must be one of {WEIGHT_SOURCES}, got {weights!r}")
-    full = read_full_state(path)
+    full = read_full_state(path, weights_only)
     meta = full["meta"]  # of the generation the full state was read from
     trained = dict(full["masters"]) if weights == "masters" else {**full["masters"], **full["weights"]}
     # A tied parameter's second name holds the same values (saved among the untrained entries).

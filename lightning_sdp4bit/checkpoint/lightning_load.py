@@ -5,8 +5,8 @@ Lightning reads the file with `lightning.fabric.utilities.cloud_io._load`, impor
 IsADirectoryError. `import lightning_sdp4bit` replaces that name (and only that one, when the
 module loads: `lightning_sdp4bit._registration`) by `load_sharded_or_file`, so that
 `MyModule.load_from_checkpoint("x.ckpt")` loads a sharded directory as `consolidate_checkpoint`
-gives it: every file verified, the fp32 master weights in "state_dict". Anything else goes to
-Lightning's own loader unchanged.
+gives it: every file verified, the fp32 master weights in "state_dict", meta.pt read with the
+`weights_only` Lightning passes. Anything else goes to Lightning's own loader unchanged.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def sharded_aware(load: Callable[..., Any]) -> Callable[..., Any]:
     CPU; Lightning moves the module afterwards), a damaged one raises its CheckpointError."""
 
     @functools.wraps(load)
-    def load_sharded_or_file(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+    def load_sharded_or_file(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if isinstance(path_or_url, (str, os.PathLike)) and _ours(Path(path_or_url)):
-            return consolidate_checkpoint(find_checkpoint(path_or_url))
-        return load(path_or_url, *args, **kwargs)
+            return consolidate_checkpoint(find_checkpoint(path_or_url), weights_only=weights_only)
+        return load(path_or_url, map_location=map_location, weights_only=weights_only)
 
     return load_sharded_or_file

@@ -7,6 +7,9 @@ checkpoint's. Under a process group the ranks then agree (`files.agree`), so tha
 failure raises the same CheckpointError everywhere, before anything in the module, the engine or
 the optimizers has changed.
 
+Every file is read without running code (`unpickling`): the shards with weights_only=True, meta.pt
+with Lightning's `weights_only` argument (None: torch's default, True).
+
 Loading with the layout it was saved with reads one shard per rank. Otherwise (another world
 size, bucket size or alignment) every rank reads all shards, rebuilds each parameter's full
 master weights, weights and elementwise optimizer state by name (the **full state**), and cuts
@@ -24,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from lightning_sdp4bit.checkpoint.changes import check_optimizer, check_step, warn_config_changes
 from lightning_sdp4bit.checkpoint.files import (
     META,
     CheckpointError,
@@ -39,6 +43,7 @@ from lightning_sdp4bit.checkpoint.files import (
     verify_file,
 )
 from lightning_sdp4bit.checkpoint.save import fragment_map, layout_record
+from lightning_sdp4bit.checkpoint.unpickling import META_OPT_OUT, load_restricted
 from lightning_sdp4bit.engine import ShardedEngine
 
 __all__ = [
@@ -108,31 +113,28 @@ def _generation(path: Path) -> str | None:
         return None
 
 
-def _meta(path: Path, manifest: Manifest) -> dict[str, Any]:
+def _meta(path: Path, manifest: Manifest, weights_only: bool | None) -> dict[str, Any]:
     """meta.pt, verified, with the generation it was read from under "generation"."""
     check_complete(path, manifest)
-    return {**_load(verify_file(path, manifest, META)), "generation": manifest.generation}
+    meta = load_restricted(verify_file(path, manifest, META), weights_only, META_OPT_OUT)
+    return {**meta, "generation": manifest.generation}
 
 
-def _load(file: Path) -> Any:
-    try:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise CheckpointError(f"{file}: unreadable ({describe(error)})") from error
-
-
-def read_meta(path: str | os.PathLike, *, collective: bool = False, timeouts: Any = None) -> dict[str, Any]:
+def read_meta(
+    path: str | os.PathLike, *, collective: bool = False, timeouts: Any = None, weights_only: bool | None = None
+) -> dict[str, Any]:
     """The verified meta.pt of a complete sharded checkpoint (no tensors of the model's size),
     with the generation it was read from under "generation" (for `load_sharded`). With
     `collective=True` every rank of the default process group calls it and all of them raise the
-    same CheckpointError if any rank could not read it (`timeouts`: see `agree`)."""
+    same CheckpointError if any rank could not read it (`timeouts`: see `agree`). `weights_only`:
+    Lightning's argument, for meta.pt (see `unpickling`)."""
     if not collective:
         path = find_checkpoint(path)
-        return _consistently(path, lambda manifest: _meta(path, manifest))
+        return _consistently(path, lambda manifest: _meta(path, manifest, weights_only))
     meta, error = None, None
     try:
         found = find_checkpoint(path)
-        meta = _consistently(found, lambda manifest: _meta(found, manifest))
+        meta = _consistently(found, lambda manifest: _meta(found, manifest, weights_only))
     except Exception as caught:
         error = describe(caught)
     agree(error, timeouts=timeouts)
@@ -144,13 +146,15 @@ def load_sharded(
     optimizers: list[torch.optim.Optimizer] | None,
     path: str | os.PathLike,
     generation: str | None = None,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Restore masters, weights, the engine's step and (if `optimizers` is given) optimizer
     state from a sharded checkpoint into a running engine. Returns the meta dict (Lightning's
     part under "lightning"). Collective: every rank calls it. Raises CheckpointError on every
     rank, with nothing modified, if any rank finds the checkpoint incomplete, damaged,
     misplaced or made for another model. `generation`: the one an earlier `read_meta` gave
-    (meta["generation"]), which the shards must come from (another job may have saved since)."""
+    (meta["generation"]), which the shards must come from (another job may have saved since).
+    `weights_only`: Lightning's argument, for meta.pt (see `unpickling`)."""
     path = find_checkpoint(path)
     rank = engine.topology.rank
 
@@ -161,16 +165,17 @@ def load_sharded(
                 f"{path} changed while it was loaded: meta.pt was read from {generation}, the shards would come "
                 f"from {manifest.generation} (another job saved to it meanwhile); load it again"
             )
-        meta = _meta(path, manifest)
+        meta = _meta(path, manifest, weights_only)
         check_parameters(engine, {name: shape for name, (shape, _) in manifest.parameters.items()}, exact=True)
         check_state_dict(engine.module, meta["untrained_state"], strict=False)
         if meta["world_size"] == engine.topology.world_size and meta["layout"] == layout_record(engine):
             name = shard_file(rank)
             file = verify_file(path, manifest, name)
-            shard = _load(file)
+            shard = load_restricted(file)
             check_shard(file, shard, manifest.files[name])
+            check_step(file, shard, meta)
             if optimizers is not None:
-                _check_same_layout_optimizers(engine, optimizers, shard, file)
+                _check_same_layout_optimizers(engine, optimizers, shard, file, meta.get("optimizer_classes"))
             return manifest.generation, meta, shard, None
         full = _read_full_state(path, manifest, meta)
         _check_full_state(engine, optimizers, full)
@@ -199,6 +204,8 @@ def load_sharded(
             optimizer.load_state_dict(state)
     else:
         _apply_full_state(engine, optimizers, full)
+    if rank == 0:
+        warn_config_changes(path, meta["config"], engine.config.to_dict())
     engine.restore_step(int(meta["engine_step"]))
     engine.meter.load_state_dict(meta["meter"])
     # Checkpoints from before the count was saved: their skipped steps are unknown, counted from 0.
@@ -207,7 +214,11 @@ def load_sharded(
 
 
 def _check_same_layout_optimizers(
-    engine: ShardedEngine, optimizers: list[torch.optim.Optimizer], shard: dict[str, Any], file: Path
+    engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer],
+    shard: dict[str, Any],
+    file: Path,
+    classes: list[str] | None,
 ) -> None:
     if len(shard["optimizers"]) != len(optimizers):
         raise CheckpointError(
@@ -216,17 +227,18 @@ def _check_same_layout_optimizers(
     if shard["fragments"] != [fragment_map(engine, i) for i in range(len(optimizers))]:
         raise CheckpointError(f"{file}: the optimizers' parameters differ from those the checkpoint was saved with")
     for index, (optimizer, state) in enumerate(zip(optimizers, shard["optimizers"], strict=True)):
+        check_optimizer(index, optimizer, state["param_groups"], classes[index] if classes else None)
         saved = [len(g["params"]) for g in state["param_groups"]]
         if saved != [len(g["params"]) for g in optimizer.param_groups]:
             raise CheckpointError(f"{file}: optimizer {index}'s parameter groups differ from the checkpoint's")
 
 
-def read_full_state(path: str | os.PathLike) -> dict[str, Any]:
+def read_full_state(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """Every parameter's full master weights, model weights and optimizer state, by name, from
     all shards of a sharded checkpoint (the memory of the whole model's training state), each
-    file verified. Not collective."""
+    file verified. Not collective. `weights_only`: Lightning's argument, for meta.pt."""
     path = find_checkpoint(path)
-    return _consistently(path, lambda manifest: _read_full_state(path, manifest, _meta(path, manifest)))
+    return _consistently(path, lambda manifest: _read_full_state(path, manifest, _meta(path, manifest, weights_only)))
 
 
 def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> dict[str, Any]:
@@ -237,8 +249,9 @@ def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> di
     for rank in range(meta["world_size"]):
         name = shard_file(rank)
         file = verify_file(path, manifest, name)
-        shard = _load(file)
+        shard = load_restricted(file)
         check_shard(file, shard, manifest.files[name])
+        check_step(file, shard, meta)
         for bucket_meta, saved in zip(meta["layout"], shard["buckets"], strict=True):
             lo = rank * bucket_meta["shard_numel"]
             for slot_name, shape, start in bucket_meta["slots"]:
@@ -258,6 +271,7 @@ def _read_full_state(path: Path, manifest: Manifest, meta: dict[str, Any]) -> di
         "weights": {name: t.view(shapes[name]) for name, t in weights.items()},
         "optimizers": optimizers,
         "optimizer_param_names": meta["optimizer_param_names"],
+        "optimizer_classes": meta.get("optimizer_classes"),  # None before they were recorded
     }
 
 
@@ -297,7 +311,9 @@ def _check_full_state(
         raise CheckpointError(
             f"the checkpoint holds {len(full['optimizers'])} optimizer states, the module has {len(optimizers)}"
         )
+    classes = full.get("optimizer_classes")
     for index, saved in enumerate(full["optimizers"]):
+        check_optimizer(index, optimizers[index], saved["param_groups"], classes[index] if classes else None)
         groups, current = full["optimizer_param_names"][index], engine.optimizer_param_names[index]
         if [len(g) for g in groups] != [len(g) for g in current] or len(saved["param_groups"]) != len(current):
             raise CheckpointError(f"optimizer {index}'s parameter groups differ from those in the checkpoint")

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from lightning_sdp4bit.checkpoint.files import is_sharded_checkpoint, sibling, sync_directory
-from lightning_sdp4bit.checkpoint.lock import LOCK, held_by_live_writer, remove_if_stale
+from lightning_sdp4bit.checkpoint.lock import held_by_live_writer, remove_stale_in
 
 __all__ = ["PARTIAL", "finish_interrupted_save", "finish_interrupted_saves"]
 
@@ -39,17 +39,13 @@ def finish_interrupted_save(path: str | os.PathLike) -> bool:
 
 def finish_interrupted_saves(directory: str | os.PathLike) -> list[Path]:
     """`finish_interrupted_save` for every `*.partial` in `directory`, and removal of the locks
-    that writers killed on this host left (`lock.remove_if_stale`); the paths it completed."""
+    whose writers are provably gone (`lock.remove_stale_in`); the paths it completed."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    entries = list(directory.iterdir())
-    finished = [target for target in _targets(entries, PARTIAL) if finish_interrupted_save(target)]
-    for target in _targets(entries, LOCK):
-        remove_if_stale(target)
+    partials = [entry for entry in directory.iterdir() if entry.name.endswith(PARTIAL)]
+    finished = [
+        target for target in (p.with_name(p.name[: -len(PARTIAL)]) for p in partials) if finish_interrupted_save(target)
+    ]
+    remove_stale_in(directory)
     return finished
-
-
-def _targets(entries: list[Path], suffix: str) -> list[Path]:
-    """The checkpoint paths `x.ckpt` of the entries named `x.ckpt<suffix>`."""
-    return [entry.with_name(entry.name[: -len(suffix)]) for entry in entries if entry.name.endswith(suffix)]

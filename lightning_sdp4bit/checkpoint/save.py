@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_sdp4bit.checkpoint import lock
+from lightning_sdp4bit.checkpoint.changes import class_name
 from lightning_sdp4bit.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -137,6 +138,7 @@ def _save_locked(
     try:
         shard = {
             "rank": rank,
+            "step": engine.step,  # meta.pt's engine_step: a shard of another save differs (`changes`)
             "buckets": [{"master": b.master.cpu(), "weights": b.weight_shard.cpu()} for b in engine.buckets],
             "optimizers": [_to_cpu(opt.state_dict()) for opt in optimizers],
             "fragments": [fragment_map(engine, index) for index in range(len(optimizers))],
@@ -149,7 +151,7 @@ def _save_locked(
     error = None
     if rank == 0:
         try:
-            _commit(engine, checkpoint, path, Path(directory), generation, records)
+            _commit(engine, optimizers, checkpoint, path, Path(directory), generation, records)
         except Exception as caught:
             error = f"saving {path}: {describe(caught)}"
     agree(error, None, group, engine.timeouts)
@@ -185,6 +187,7 @@ def _next_generation(generation: str) -> str:
 
 def _commit(
     engine: ShardedEngine,
+    optimizers: list[torch.optim.Optimizer],
     checkpoint: dict[str, Any],
     path: Path,
     directory: Path,
@@ -205,6 +208,7 @@ def _commit(
             k: v.cpu() for k, v in engine.module.state_dict().items() if k not in trained and isinstance(v, Tensor)
         },
         "optimizer_param_names": engine.optimizer_param_names,
+        "optimizer_classes": [class_name(optimizer) for optimizer in optimizers],
         "aliases": parameter_aliases(engine.module, trained),
         "lightning": {k: v for k, v in checkpoint.items() if k not in _LIGHTNING_HEAVY_KEYS},
     }

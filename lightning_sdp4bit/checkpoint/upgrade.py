@@ -4,7 +4,8 @@
 
 The formats (`files`):
 - sharded-v1 (lightning-sdp4bit before 2026-12-01): `x.ckpt/meta.pt` and `x.ckpt/shard_NNNNN.pt`,
-  no manifest, no checksums. Each file is loaded (the shards' ranks checked), hard-linked (copied
+  no manifest, no checksums. Each file is loaded with weights_only=True (`unpickling`: a v1 file
+  carries no checksum at all), the shards' ranks checked, then hard-linked (copied
   where the file system has no hard links) into `x.ckpt/gen_000000/`, and described in a new
   manifest, whose rename commits the conversion; the top-level files are then removed;
 - sharded-v2 with a CRC-32 manifest (2026-12-01, before XXH3-64): the manifest's and every file's
@@ -23,8 +24,6 @@ import sys
 import zlib
 from pathlib import Path
 
-import torch
-
 from lightning_sdp4bit.checkpoint import lock
 from lightning_sdp4bit.checkpoint.files import (
     MANIFEST,
@@ -42,10 +41,16 @@ from lightning_sdp4bit.checkpoint.files import (
     tensor_records,
     write_manifest,
 )
+from lightning_sdp4bit.checkpoint.unpickling import load_restricted
 
 __all__ = ["on_disk_format", "upgrade_checkpoint"]
 
 _V1_GENERATION = "gen_000000"
+# What a refusal tells a user who trusts the checkpoint (the tool has no weights_only switch).
+_OPT_OUT = (
+    "allow these types with torch.serialization.add_safe_globals and convert it from Python: "
+    "lightning_sdp4bit.checkpoint.upgrade.upgrade_checkpoint(path)"
+)
 
 
 def on_disk_format(path: str | os.PathLike) -> str:
@@ -112,9 +117,9 @@ def _load(file: Path) -> dict:
     if not file.is_file():
         raise CheckpointError(f"{file} missing: the checkpoint is incomplete, nothing was converted")
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise CheckpointError(f"{file}: unreadable ({type(error).__name__}: {error}), nothing was converted") from None
+        return load_restricted(file, opt_out=_OPT_OUT)  # weights_only=True: see `unpickling`
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}; nothing was converted") from None
 
 
 def _place(path: Path, generation: Path, name: str) -> tuple[int, int]:
