@@ -136,6 +136,7 @@ def read_meta(path: str | os.PathLike, *, collective: bool = False, timeouts: An
     except Exception as caught:
         error = describe(caught)
     agree(error, timeouts=timeouts)
+    assert meta is not None  # agree raised on every rank otherwise
     return meta
 
 
@@ -198,6 +199,7 @@ def load_sharded(
         for optimizer, state in zip(optimizers or [], shard["optimizers"], strict=False):
             optimizer.load_state_dict(state)
     else:
+        assert full is not None  # read() returns this rank's shard or the full state
         _apply_full_state(engine, optimizers, full)
     engine.step = int(meta["engine_step"])
     engine.meter.load_state_dict(meta["meter"])
