@@ -8,16 +8,26 @@ the place of ParallelStrategy's): it reads `engine`, `optimizers`, `checkpoint_i
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_sdp4bit.strategies import common
 
 from lightning_sdp4bit import checkpoint as sharded_checkpoint
 from lightning_sdp4bit.checkpoint.files import agree, describe
+from lightning_sdp4bit.strategies import common
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from lightning_sdp4bit.engine import ShardedEngine
+
+    _Strategy = ParallelStrategy  # the type checker sees the strategy this mixin is part of
+else:
+    _Strategy = object
 
 __all__ = ["ShardedCheckpoints"]
 
@@ -25,8 +35,12 @@ _SHARDED_KEY = "sdp4bit_checkpoint_dir"  # marks a checkpoint dict loaded from a
 _GENERATION_KEY = "sdp4bit_checkpoint_generation"  # the generation its meta.pt was read from
 
 
-class ShardedCheckpoints:
+class ShardedCheckpoints(_Strategy):
     """Lightning's checkpoint hooks of a strategy, for sharded checkpoint directories."""
+
+    # SDP4BitStrategy's, declared for the type checker (annotations only: nothing at run time).
+    engine: ShardedEngine | None
+    _wait_weights: Callable[[], None]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._wait_weights()
@@ -65,6 +79,7 @@ class ShardedCheckpoints:
             except Exception as caught:
                 error = f"{path}: {describe(caught)}"
             agree(error, timeouts=common.timeouts_of(self))
+            assert checkpoint is not None  # agree raised on every rank otherwise
             return checkpoint
         meta = sharded_checkpoint.read_meta(path, collective=True, timeouts=common.timeouts_of(self))
         if meta["lightning"].get(common.SAVED_BY_FABRIC) is not None:
@@ -93,7 +108,7 @@ class ShardedCheckpoints:
             _GENERATION_KEY: meta["generation"],
         }
 
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
         # Fitting, the optimizers exist already (restore_checkpoint_after_setup), so their state
@@ -129,7 +144,7 @@ class ShardedCheckpoints:
             # (which would replace the masters by the module-dtype weights at the next step).
             self.engine.weights_loaded()
 
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing to do: load_model_state_dict restored the optimizers' shards with the weights."""
 
 
