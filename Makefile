@@ -7,6 +7,13 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TYPECHECK := build/typecheck
+# `make test-gpu` runs on the GPU machine's own Python, whose torch, Triton and Lightning it uses
+# as they are (nothing is installed from a registry there).
+GPU_PYTHON ?= python3
+GPU_INSTALL := build/gpu-install
+# Every test file with a test that needs CUDA (marked gpu, or skipped without CUDA).
+GPU_TESTS := tests/*gpu*.py tests/test_kernels_*.py tests/test_compile.py tests/test_emulated_network.py \
+	tests/test_engine_watch.py tests/test_simulation.py tests/test_weight_edits.py
 # pipefail in `make lint` (mypy's exit status through sed).
 SHELL := /bin/bash
 
@@ -16,7 +23,18 @@ SHELL := /bin/bash
 install_target = rm -rf $(2) build/lib build/bdist.* && \
 	$(1) -m pip install --quiet --no-deps --no-build-isolation --target $(2) .
 
-.PHONY: install demo test lint clean
+define REQUIRE_CUDA
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit(f"make test-gpu: {sys.executable} cannot import torch; set GPU_PYTHON to a Python with CUDA torch, Triton and Lightning")
+if not torch.cuda.is_available():
+    sys.exit(f"make test-gpu: no CUDA device for {sys.executable} (torch {torch.__version__}); it runs on a GPU machine only: on this one, run make test")
+endef
+export REQUIRE_CUDA
+
+.PHONY: install demo test test-gpu lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +49,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The GPU suite against the package as a user installs it: a non-editable copy in build/gpu-install,
+# first on PYTHONPATH. -P (Python 3.11+) keeps the repository root off pytest's sys.path, where the
+# source tree's lightning_sdp4bit (without strategies/ and kernels/) would come first.
+test-gpu:
+	@$(GPU_PYTHON) -c "$$REQUIRE_CUDA"
+	$(call install_target,$(GPU_PYTHON),$(GPU_INSTALL))
+	PYTHONPATH=$(CURDIR)/$(GPU_INSTALL) $(GPU_PYTHON) -P -m pytest $(GPU_TESTS)
 
 # Ruff over the tree, then mypy over the package as it installs (pyproject's [tool.mypy] says
 # why): the --target copy maps strategies/ and kernels/ in as lightning_sdp4bit.strategies and
