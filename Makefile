@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
 endef
 export REQUIRE_CUDA
 
-.PHONY: install demo test test-gpu lint clean
+.PHONY: install demo test test-gpu lint wheel-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ lint: $(STAMP)
 		-e 's|^$(TYPECHECK)/lightning_sdp4bit/strategies/|strategies/|' \
 		-e 's|^$(TYPECHECK)/lightning_sdp4bit/kernels/|kernels/|' \
 		-e 's|^$(TYPECHECK)/||'
+
+# The built wheel installed into a fresh virtual environment outside the repository, then a
+# 2-process CPU fit there (.ci/wheel_smoke.sh; dist/ keeps the sdist and wheel).
+wheel-check: $(STAMP)
+	VENV=$(VENV) TORCH="$(TORCH)" PYTHON=$(PYTHON) bash .ci/wheel_smoke.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info lightning_logs
