@@ -1,6 +1,6 @@
 """Pretrain a small litgpt GPT with Lightning Fabric and SDP4Bit (about 4-bit communication).
 
-    pip install "lightning-sdp4bit[litgpt]"                  # litgpt is an optional extra
+    pip install ".[litgpt]"                                 # in the repository: litgpt is an optional extra
     python examples/fabric_litgpt.py                        # all GPUs, or 2 CPU processes
     python examples/fabric_litgpt.py --steps 200 --preset baseline      # uncompressed, for comparison
     python examples/fabric_litgpt.py --compile --precision bf16-true     # on GPUs: torch.compile'd model
@@ -29,7 +29,7 @@ from lightning_sdp4bit import SDP4BitFabricStrategy
 try:
     from litgpt import GPT, Config
 except ImportError:
-    sys.exit('error: this example needs litgpt: pip install "lightning-sdp4bit[litgpt]" (or pip install litgpt)')
+    sys.exit('error: this example needs litgpt: pip install ".[litgpt]" in the repository (or pip install litgpt)')
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

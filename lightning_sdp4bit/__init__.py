@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_sdp4bit._registration import install_registration_hook
 
+# The one place the version is written: pyproject.toml reads it from here at build time.
 __version__ = "0.1.0"
 
 _LAZY = {

@@ -17,6 +17,7 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -50,11 +51,11 @@ def _load_sharded_too(saving_module: ModuleType) -> None:
     from lightning_sdp4bit.checkpoint.lightning_load import sharded_aware
 
     if not getattr(saving_module.pl_load, "__wrapped__", None):
-        saving_module.pl_load = sharded_aware(saving_module.pl_load)
+        saving_module.pl_load = sharded_aware(saving_module.pl_load)  # type: ignore[attr-defined]  # Lightning's module
 
 
 # module -> (the attribute it must have, what to do once it has loaded)
-_TARGETS = {
+_TARGETS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "lightning.pytorch.strategies": (
         "StrategyRegistry",
         functools.partial(_register_names, "StrategyRegistry", _create_strategy),

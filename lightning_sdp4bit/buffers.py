@@ -247,10 +247,11 @@ class Bucket:
         else:
             view.add_(grad)
 
-    def _make_grads(self, accumulating: bool) -> None:
+    def _make_grads(self, accumulating: bool) -> Tensor:
         dtype = torch.float32 if accumulating else self.weights.dtype
         self.grads = torch.empty(self.layout.numel, dtype=dtype, device=self.weights.device)
         self.grads[self.layout.used_numel :].zero_()  # the padding
+        return self.grads
 
     def receive_grads(self, arrivals: list[tuple[int, Tensor]], accumulating: bool) -> None:
         """`receive_grad` for several (position, gradient) pairs at once: the same result, with one
@@ -263,7 +264,7 @@ class Bucket:
         fresh = [(p, g) for p, g in arrivals if p not in self.received]
         again = [(p, g) for p, g in arrivals if p in self.received]
         if self.grads is None:
-            self._make_grads(accumulating)  # the window's first gradients
+            grads = self._make_grads(accumulating)  # the window's first gradients
             if not again and sorted(p for p, _ in fresh) == list(range(len(self.layout.slots))):
                 # The slots lie back to back from 0, so one concatenation writes them all. In the
                 # engine at 1.3B on the H200 this took the gradient hooks' compute-stream time
@@ -271,7 +272,7 @@ class Bucket:
                 # tensors, it was the slower of the two (benchmarks/results/power_warmup_h200_2026-12-03.md).
                 by_position = dict(fresh)
                 ordered = [by_position[p].reshape(-1) for p in range(len(by_position))]
-                torch.cat(ordered, out=self.grads[: self.layout.used_numel])  # to fp32 exactly, if accumulating
+                torch.cat(ordered, out=grads[: self.layout.used_numel])  # to fp32 exactly, if accumulating
                 self.received.update(by_position)
                 return
         elif again and self.grads.dtype != torch.float32:

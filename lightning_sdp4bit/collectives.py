@@ -158,7 +158,11 @@ class PlainGradReduceScatter:
     ):
         self.topology, self.groups, self.meter, self.stream = topology, groups, meter, stream
 
-    def start(self, bucket: Bucket, grads: torch.Tensor, scale: float, step: int) -> Pending:
+    def start(self, bucket: Bucket, grads: torch.Tensor | HeldGrads, scale: float, step: int) -> Pending:
+        if isinstance(grads, HeldGrads):
+            raise TypeError(
+                "PlainGradReduceScatter.start: grads must be one tensor (reads_in_place is False), got HeldGrads"
+            )
         if self.topology.two_level:
             return _TwoLevelReduceScatter(self, bucket, grads, scale)
         source = grads.float()  # the same tensor when it is fp32 already: the exchange owns it
@@ -197,7 +201,7 @@ class _TwoLevelReduceScatter(TwoStage):
 
     def _complete(self) -> None:
         self._work.wait()  # on the caller's stream: the shard is read after this
-        self._source = self._partial = None
+        del self._source, self._partial  # back to the allocator
 
 
 class TwoLevelGradReduceScatter:
@@ -300,12 +304,13 @@ class _TwoLevelExchange(TwoStage):
             current = torch.cuda.current_stream(self._stream.device_index)  # indexed: streams.py says why
             self._received.record_stream(current)
             self._sent.record_stream(current)
-        self._work = self._sent = None
+        self._work = None
+        del self._sent
         config = self._owner.config
         ops.grad_decode_sum(
             self._received, self._bits, config.grad_group_size, config.hadamard_size, self._bucket.grad_shard
         )
-        self._received = None
+        del self._received
 
 
 def compresses(bucket: Bucket, config: SDP4BitConfig, topology: Topology) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -227,7 +227,7 @@ class _Named:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type | None, err: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(self, kind: type | None, err: BaseException | None, tb: TracebackType | None) -> Literal[False]:
         if err is None or isinstance(err, CollectiveTimeoutError) or not is_timeout(err):
             return False  # done, named already (a nested wait), or not a timeout: it goes on as it was
         exchange = self._exchange if self._bucket is None else f"bucket {self._bucket}'s {self._exchange}"

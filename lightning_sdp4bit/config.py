@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "GradQuant",
@@ -100,7 +100,10 @@ def check_power_of_two(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive power of two (1, 2, 4, ...), got {value!r}")
 
 
-def coerce_enum(name: str, value: Any, enum_type: type[Enum]) -> Enum:
+E = TypeVar("E", bound=Enum)
+
+
+def coerce_enum(name: str, value: Any, enum_type: type[E]) -> E:
     """Turn a string (or the enum itself) into `enum_type`, or raise a ValueError naming `name`."""
     allowed = ", ".join(repr(member.value) for member in enum_type)
     try:
@@ -354,7 +357,7 @@ def load_yaml(path: str | os.PathLike) -> Any:
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.load(path)
+        return OmegaConf.load(Path(path))  # it opens str and Path; another os.PathLike it would .read()
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -104,14 +104,16 @@ class _TwoLevelGather(TwoStage):
 
     def _second_stage(self) -> None:
         topo, across = self._owner.topology, self._across
+        assert across is not None  # released only in _complete
         # Stage 2's output [L, M, R]: `rows` itself where the caller reads it local-major, else a
         # buffer that `_land` copies into rank order.
         if self._local_major:
-            self._node = self._rows
+            node = self._rows
         else:
-            self._node = across.new_empty((topo.ranks_per_node, topo.nodes, across.shape[1]))
+            node = across.new_empty((topo.ranks_per_node, topo.nodes, across.shape[1]))
+        self._node = node
         group = self._owner.groups.intra
-        self._work = comm.all_gather(self._node.view(-1), across.view(-1), group=group, async_op=True)
+        self._work = comm.all_gather(node.view(-1), across.view(-1), group=group, async_op=True)
         if self._stream is not None:
             self._land()
             self._landed = torch.cuda.Event()
@@ -123,6 +125,7 @@ class _TwoLevelGather(TwoStage):
         self._work.wait()
         topo = self._owner.topology
         if not self._local_major:
+            assert self._node is not None  # set by _second_stage
             # As words (as_words says why): as bytes, at 1.3B and W = 64, this copy took 1.49 ms a
             # step, 40 us a bucket, in the chain each forward wait depends on.
             rows, node = as_words(self._rows, self._node)
@@ -133,6 +136,7 @@ class _TwoLevelGather(TwoStage):
 
     def _complete(self) -> None:
         if self._landed is not None:
+            assert self._stream is not None  # _landed is recorded on it
             # All of stage 2 ran on the side stream, after both collectives: once the caller's
             # stream waits for it, the tensors may go back to the allocator in its order.
             torch.cuda.current_stream(self._stream.device_index).wait_event(self._landed)

@@ -79,7 +79,7 @@ def finish_interrupted_checkpoint_saves(trainer: pl.Trainer) -> list[Path]:
     """Complete the interrupted first saves in the trainer's checkpoint folders (ModelCheckpoint
     folders, OnExceptionCheckpoint paths), warning for each; returns the paths completed."""
     finished: list[Path] = []
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, ModelCheckpoint):
             # Where ModelCheckpoint itself looks for "last" (its dirpath, or the one it derives
             # from the logger and default_root_dir before setup).

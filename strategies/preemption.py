@@ -67,11 +67,11 @@ class PreemptionSignal:
         self._timeouts = comm.Timeouts(trainer.global_rank, timeout)
         # Lightning registers `_sigterm_notifier_fn` as the SIGTERM handler after the strategy's
         # setup (Trainer._run); an instance attribute takes the place of its method.
-        trainer._signal_connector._sigterm_notifier_fn = self._on_sigterm
+        trainer._signal_connector._sigterm_notifier_fn = self._on_sigterm  # type: ignore[method-assign,assignment]
         # The training loop's per-batch check: this agreement in place of Lightning's broadcast of
         # rank 0's flag (a GPU tensor read back on the host every batch), not beside it, so a step
         # still costs one such collective, now on host memory.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.stop_if_signalled
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.stop_if_signalled  # type: ignore[method-assign]
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: no collective, no I/O but a log line (it may run in the middle of

@@ -8,16 +8,26 @@ the place of ParallelStrategy's): it reads `engine`, `optimizers`, `checkpoint_i
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_sdp4bit.strategies import common
 
 from lightning_sdp4bit import checkpoint as sharded_checkpoint
 from lightning_sdp4bit.checkpoint.files import agree, describe
+from lightning_sdp4bit.strategies import common
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from lightning_sdp4bit.engine import ShardedEngine
+
+    _Strategy = ParallelStrategy  # the type checker sees the strategy this mixin is part of
+else:
+    _Strategy = object
 
 __all__ = ["ShardedCheckpoints"]
 
@@ -26,13 +36,16 @@ _GENERATION_KEY = "sdp4bit_checkpoint_generation"  # the generation its meta.pt 
 _WEIGHTS_ONLY_KEY = "sdp4bit_weights_only"  # Lightning's weights_only, for meta.pt when the shards load
 
 
-class ShardedCheckpoints:
+class ShardedCheckpoints(_Strategy):
     """Lightning's checkpoint hooks of a strategy, for sharded checkpoint directories."""
 
     entry_weights_only: bool | None = None
     """The `weights_only` that fit / validate / test / predict was called with, which Lightning
     2.6 does not pass to `load_checkpoint` of a strategy that restores after its setup (as this
     one must); the strategy's launcher records it (`launchers.entry_argument`)."""
+    # SDP4BitStrategy's, declared for the type checker (annotations only: nothing at run time).
+    engine: ShardedEngine | None
+    _wait_weights: Callable[[], None]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._wait_weights()
@@ -75,6 +88,7 @@ class ShardedCheckpoints:
             except Exception as caught:
                 error = f"{path}: {describe(caught)}"
             agree(error, timeouts=common.timeouts_of(self))
+            assert checkpoint is not None  # agree raised on every rank otherwise
             return checkpoint
         meta = sharded_checkpoint.read_meta(
             path, collective=True, timeouts=common.timeouts_of(self), weights_only=weights_only
@@ -104,7 +118,7 @@ class ShardedCheckpoints:
             **marks,
         }
 
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
         # Fitting, the optimizers exist already (restore_checkpoint_after_setup), so their state
@@ -142,7 +156,7 @@ class ShardedCheckpoints:
             # (which would replace the masters by the module-dtype weights at the next step).
             self.engine.weights_loaded()
 
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing to do: load_model_state_dict restored the optimizers' shards with the weights."""
 
 

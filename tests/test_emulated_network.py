@@ -20,6 +20,7 @@
 """
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -135,7 +136,11 @@ def test_lightning_collectives_take_the_world_lane_or_their_own(lane):
 
 def _script(*args):
     command = [sys.executable, str(BENCHMARKS / "emulated_network.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    # The script's Trainer rows rendezvous on a free port of their own. An in-process fit of an
+    # earlier test leaves MASTER_PORT in this process's environment, with its store still
+    # listening there: inherited, it would make them collide with it (EADDRINUSE).
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize(

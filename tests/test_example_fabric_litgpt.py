@@ -3,7 +3,7 @@ GPT with Fabric(strategy=SDP4BitFabricStrategy) on 2 CPU processes as 2 virtual 
 summary (the loss fell, fewer bytes than uncompressed) and a sharded checkpoint, with no
 missing-zero_grad warning (the loop calls optimizer.zero_grad()); without litgpt
 the script stops with one line that says how to install it. Skipped, with the reason, when litgpt
-cannot be imported (it is the optional extra `lightning-sdp4bit[litgpt]`, part of `[dev]`)."""
+cannot be imported (it is the optional extra `[litgpt]`, part of `[dev]`)."""
 
 import importlib.util
 import re
@@ -26,7 +26,7 @@ def test_without_litgpt_the_script_says_how_to_install_it():
         [sys.executable, "-c", code], cwd=SCRIPT.parent, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 1
-    assert result.stderr.strip().endswith('pip install "lightning-sdp4bit[litgpt]" (or pip install litgpt)')
+    assert result.stderr.strip().endswith('pip install ".[litgpt]" in the repository (or pip install litgpt)')
 
 
 @pytest.mark.skipif(importlib.util.find_spec("litgpt") is None, reason="litgpt is not installed: pip install litgpt")

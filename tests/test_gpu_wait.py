@@ -33,7 +33,6 @@ def test_the_wait_naps_inside_its_clock_loop_and_builds_for_sm90():
     """A warp that reads %globaltimer back to back slowed the GEMMs beside it by 11.5% on the H200:
     the loop must sleep between reads (nanosleep), and must still read the clock after a nap."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS), env.get("PYTHONPATH", "")])
     ptx, back_to_back = (_ptx(env, variant) for variant in ("nap", "no-nap"))
     naps = [line for line in ptx.splitlines() if "nanosleep" in line]
     assert naps and all(re.search(r"nanosleep\.u32 1000;\s*mov\.u64 %rd\d+, %globaltimer;", line) for line in naps)
@@ -45,8 +44,16 @@ def test_the_wait_naps_inside_its_clock_loop_and_builds_for_sm90():
 
 
 def _ptx(env: dict, variant: str) -> str:
+    # `python -c` puts its working directory first on sys.path: benchmarks/ gives it gpu_wait, where
+    # the repository root would give it the source tree's lightning_sdp4bit, which has no kernels
+    # subpackage (only an install maps kernels/ in).
     built = subprocess.run(
-        [sys.executable, "-c", PRINT_PTX, variant], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", PRINT_PTX, variant],
+        cwd=BENCHMARKS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert built.returncode == 0, built.stderr[-2000:]
     return built.stdout

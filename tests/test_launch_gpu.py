@@ -21,10 +21,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: comp
 
 triton = pytest.importorskip("triton")
 
-from lightning_sdp4bit.kernels import _launch  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from lightning_sdp4bit import kernels  # noqa: E402
+from lightning_sdp4bit.kernels import _launch  # noqa: E402
 
 
 def _offset(payload, nbytes):

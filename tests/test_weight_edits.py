@@ -194,7 +194,10 @@ def test_op_is_a_custom_op_that_compiles_in_one_graph():
 
 def test_dispatch_sends_cpu_tensors_to_the_twin(monkeypatch):
     weights, applied, master = _shards(100, torch.bfloat16, seed=6)
-    monkeypatch.setattr(kernels, "absorb_weight_edits", lambda *args: pytest.fail("kernel called for CPU tensors"))
+    # Patched where the dispatch looks it up (lightning_sdp4bit.ops imports it from its module).
+    monkeypatch.setattr(
+        kernels.weight_edits, "absorb_weight_edits", lambda *args: pytest.fail("kernel called for CPU tensors")
+    )
     expected = _spec(weights, applied, master)
     assert dispatch.absorb_weight_edits(weights, applied, master) is master
     _bits_equal(master, expected)
@@ -203,8 +206,10 @@ def test_dispatch_sends_cpu_tensors_to_the_twin(monkeypatch):
 @pytest.mark.gpu
 def test_dispatch_sends_cuda_tensors_to_the_kernel(monkeypatch):
     calls = []
-    original = kernels.absorb_weight_edits
-    monkeypatch.setattr(kernels, "absorb_weight_edits", lambda *args: calls.append(args) or original(*args))
+    original = kernels.weight_edits.absorb_weight_edits
+    monkeypatch.setattr(
+        kernels.weight_edits, "absorb_weight_edits", lambda *args: calls.append(args) or original(*args)
+    )
     weights, applied, master = (t.cuda() for t in _shards(100, torch.bfloat16, seed=7))
     expected = _spec(weights, applied, master)
     assert dispatch.absorb_weight_edits(weights, applied, master) is master

@@ -22,13 +22,13 @@ import contextlib
 import errno
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,7 @@ def checksummed_save(obj: Any, path: Path) -> tuple[int, int]:
         with ThreadPoolExecutor(1, thread_name_prefix="sdp4bit-hash") as pool, open(path, "wb") as file:
             writer = _ChecksummedFile(file, pool)
             try:
-                torch.save(obj, writer)
+                torch.save(obj, cast(IO[bytes], writer))  # torch.save calls only write and flush
             except RuntimeError:
                 # torch.save reports a failed write of its file object as "[enforce fail at
                 # inline_container.cc] unexpected pos": the write's own OSError says why.
@@ -220,6 +220,7 @@ def tensor_records(obj: Any, prefix: str = "") -> tuple[tuple[str, tuple[int, ..
     """(key path, shape, dtype) of every tensor inside nested dicts, lists and tuples."""
     if isinstance(obj, Tensor):
         return ((prefix, tuple(obj.shape), str(obj.dtype)),)
+    items: Iterable[tuple[Any, Any]]
     if isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):

@@ -138,6 +138,7 @@ def read_meta(
     except Exception as caught:
         error = describe(caught)
     agree(error, timeouts=timeouts)
+    assert meta is not None  # agree raised on every rank otherwise
     return meta
 
 
@@ -203,6 +204,7 @@ def load_sharded(
         for optimizer, state in zip(optimizers or [], shard["optimizers"], strict=False):
             optimizer.load_state_dict(state)
     else:
+        assert full is not None  # read() returns this rank's shard or the full state
         _apply_full_state(engine, optimizers, full)
     if rank == 0:
         warn_config_changes(path, meta["config"], engine.config.to_dict())

@@ -304,8 +304,8 @@ def torch_grad_decode_sum(
     if not hadamard_size:
         return total if out is None else out.copy_(total)
     # The inverse transform ends in `out` when it can (contiguous fp32), with the sum as spare.
-    direct = out is not None and out.is_contiguous() and out.dtype == torch.float32
-    target = out if direct else torch.empty_like(total)
+    target = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.empty_like(total)
+    direct = target is out
     odd = (hadamard_size.bit_length() - 1) % 2 == 1
     blocks = total.view(-1, hadamard_size)
     butterflies(blocks, hadamard_size, target.view(-1, hadamard_size), blocks if odd else None)

@@ -11,6 +11,7 @@ Ranks are numbered rank = node * L + local (L = ranks per node), as the launcher
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,7 +64,7 @@ def simulate_two_level_reduce_scatter(
     local, nodes = ranks_per_node, world // ranks_per_node
     if world == 1:
         return [grads[0].float().clone()]
-    common = dict(group_size=group_size, rounding=rounding)
+    common: dict[str, Any] = dict(group_size=group_size, rounding=rounding)
     first_bits = intra_bits if local > 1 else inter_bits
     outer, chunks = (nodes, local) if local > 1 else (1, nodes)
     sent = [
