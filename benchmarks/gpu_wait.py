@@ -18,6 +18,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+
 from lightning_sdp4bit.kernels._launch import launch
 
 __all__ = ["spin", "spin_accuracy", "spin_cost"]

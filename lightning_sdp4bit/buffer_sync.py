@@ -45,6 +45,10 @@ class BufferRule:
     def due(self) -> bool:
         return self.enabled and self._sync_next and bool(self._slots)
 
+    def before_forward(self) -> None:
+        """Before a forward: every rank takes rank 0's buffers if `due()` (how is the subclass's)."""
+        raise NotImplementedError
+
     def after_forward(self, grad_sync: bool) -> None:
         """DDP: the next forward broadcasts when this one ran with gradients enabled and
         `grad_sync` (outside no_sync)."""

@@ -77,6 +77,9 @@ class ShardedEngine:
     (the gradients are reduced when a clip or the optimizer step needs them) and the step runs
     inside `training_step`, which goes on at once (the weights are complete after it)."""
 
+    _hooks: list[Any]  # this process's gradient and forward hooks (a real job's engine only)
+    _compile_watch: CompiledRegionWatch | None  # likewise
+
     def __init__(
         self,
         module: nn.Module,
@@ -111,7 +114,7 @@ class ShardedEngine:
         self._attach(module, config, [rank], buffers, manual=manual)
         self.weights_loaded()  # rank 0's weights, broadcast: no exchange has left the applied shards
         self._hooks = register_hooks(self)
-        self._compile_watch: CompiledRegionWatch | None = CompiledRegionWatch(module)
+        self._compile_watch = CompiledRegionWatch(module)
 
     def _attach(self, module: nn.Module, config: SDP4BitConfig, ranks: list[ShardedRank], buffers: Any, manual: bool):
         """What every engine holds besides its ranks' state (`SimulatedEngine` builds its ranks
@@ -124,7 +127,7 @@ class ShardedEngine:
         self._buffers: BufferRule = buffers
         self._manual, self._no_sync = manual, False
         self._current = self.primary  # the rank whose backward runs now (`running_as`)
-        self._hooks: list[Any] = []
+        self._hooks = []
         self._compile_watch = None
         self._rank_states: Any = None  # a simulated job's `simulation.ranks.RankStates`
 
@@ -218,6 +221,7 @@ class ShardedEngine:
     def on_grad_ready(self, index: int, position: int) -> None:
         """From a parameter's post-accumulate-grad hook, once its .grad is complete."""
         param = self._current.buckets[index].params[position]
+        assert param.grad is not None  # the hook runs once the gradient is accumulated
         self._current.receive(index, position, param.grad, synced=self._reduces_in_backward)
         param.grad = None
 

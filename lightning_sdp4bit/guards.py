@@ -290,7 +290,9 @@ def apply_verdict(
     on_device = mode is NonFinite.SKIP and all(_skips_on_device(opt) for opt in optimizers)
     for optimizer in optimizers:
         # grad_scale None: nothing to unscale.
-        optimizer.grad_scale, optimizer.found_inf = None, verdict.nonfinite_flag if on_device else None
+        # Attributes torch's fused optimizers read in step() (GradScaler sets them the same way).
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = verdict.nonfinite_flag if on_device else None  # type: ignore[attr-defined]
     skip_on_host = False
     if (mode is NonFinite.ERROR or (mode is NonFinite.SKIP and not on_device)) and not verdict.finite:
         if mode is NonFinite.ERROR:

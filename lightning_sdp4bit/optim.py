@@ -53,7 +53,8 @@ def shard_optimizer(engine: ShardedEngine, optimizer: torch.optim.Optimizer) -> 
     seen: set[int] = set()
     group_names = []
     for group in optimizer.param_groups:
-        new_params, names = [], []
+        new_params: list[torch.Tensor] = []
+        names: list[str] = []
         for param in group["params"]:
             if id(param) in seen:
                 raise ValueError("a parameter appears twice in the optimizer's param_groups")
@@ -104,7 +105,7 @@ def replica_optimizer(optimizer: torch.optim.Optimizer, rank: ShardedRank, group
     """An optimizer of `optimizer`'s class and options over `rank`'s master fragments, its groups
     those of `optimizer` (`group_names`: the trained parameters' names in each)."""
     cls = type(optimizer).__mro__[1]  # the user's class (shard_optimizer moved the optimizer to a subclass)
-    accepted = inspect.signature(cls.__init__).parameters  # `defaults` may hold more (AdamW's decoupled_weight_decay)
+    accepted = inspect.signature(cls).parameters  # `defaults` may hold more (AdamW's decoupled_weight_decay)
     options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [
         {

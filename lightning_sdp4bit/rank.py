@@ -19,6 +19,7 @@ collective on every rank before it waits on any. No Lightning here.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -332,7 +333,7 @@ class ShardedRank:
         with torch.no_grad():
             self.schedule.poll_weights()
 
-    def wait_weights(self, indices: list[int] | None = None) -> None:
+    def wait_weights(self, indices: Iterable[int] | None = None) -> None:
         """Complete the pending all-gathers of `indices` (default: all of them)."""
         with torch.no_grad():
             self.schedule.wait_weights(indices)

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DataWriteTracker", "ReadGuard", "WeightAccess"]
 
-_DATA_GET = torch._C.TensorBase.data.__get__  # what `p.data` calls (equal, not identical, each time)
+# What `p.data` calls (equal, not identical, each time); a getset descriptor, not a Tensor.
+_DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
 
 
 class _StackedMode(TorchFunctionMode):

@@ -15,7 +15,7 @@ import atexit
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
@@ -56,6 +56,8 @@ __all__ = [
     "refuse_finetuning_callbacks",
     "rewire_lightning_optimizers",
     "save_sharded",
+    "callbacks_of",
+    "set_rank_zero_only",
     "set_world_ranks",
     "timeouts_of",
 ]
@@ -73,6 +75,13 @@ class DataParallelLayout:
     Listed first among an adapter's bases, so that these satisfy both Lightning base classes'
     abstract properties. Expects `parallel_devices`, `local_rank`, `global_rank`, `_num_nodes`
     and `_process_group_backend` on the strategy."""
+
+    if TYPE_CHECKING:  # what the strategy provides (Lightning's ParallelStrategy, after this mixin)
+        parallel_devices: list[torch.device] | None
+        local_rank: int
+        global_rank: int
+        _num_nodes: int
+        _process_group_backend: str | None
 
     @property
     def root_device(self) -> torch.device:
@@ -175,7 +184,7 @@ def refuse_finetuning_callbacks(trainer: Any) -> None:
     parameter groups mid-fit; neither can hold when the optimizer steps sharded masters."""
     from lightning.pytorch.callbacks import BaseFinetuning
 
-    for callback in trainer.callbacks:
+    for callback in callbacks_of(trainer):
         if isinstance(callback, BaseFinetuning):
             raise ValueError(
                 f"{type(callback).__name__} (a BaseFinetuning callback) cannot run under sdp4bit: the set of "
@@ -200,7 +209,18 @@ def set_world_ranks(strategy: Any) -> None:
         strategy.cluster_environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
         strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
     # Lightning's rank_zero_only (Trainer and Fabric) is lightning_utilities' one object.
-    utils_rank_zero_only.rank = strategy.global_rank
+    set_rank_zero_only(strategy.global_rank)
+
+
+def set_rank_zero_only(rank: int) -> None:
+    """The rank Lightning's `rank_zero_*` utilities see: lightning_utilities' `rank_zero_only`
+    keeps it as an attribute of the function (which its type does not declare)."""
+    utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+
+def callbacks_of(trainer: Any) -> list[Any]:
+    """`trainer.callbacks`, which Lightning's callback connector sets at run time (undeclared)."""
+    return trainer.callbacks
 
 
 def connect(cluster_environment: Any, backend: str | None, timeout: timedelta | None, root_device: torch.device) -> str:

@@ -38,7 +38,6 @@ from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _Sub
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
-from lightning_sdp4bit.strategies import common
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -46,6 +45,7 @@ from lightning_sdp4bit import checkpoint as sharded_checkpoint
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.stats import WireMeter
+from lightning_sdp4bit.strategies import common
 
 __all__ = ["SDP4BitFabricStrategy"]
 

@@ -27,6 +27,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch import callbacks
 
+from lightning_sdp4bit.strategies.common import callbacks_of
+
 __all__ = ["WeightReadingHooks", "overrides_hook"]
 
 # Lightning's callbacks that read no weights in their hooks (ModelCheckpoint saves through the
@@ -80,7 +82,7 @@ class WeightReadingHooks:
         self._wrapped: list[tuple[Any, str]] = []
 
     def install(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        for obj in [*trainer.callbacks, module]:
+        for obj in [*callbacks_of(trainer), module]:
             if getattr(obj, "reads_weights", True) is False:
                 continue
             for name in _HOOKS:

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sdp4bit.checkpoint.load import complete_partial
 from lightning_sdp4bit.checkpoint.recovery import finish_interrupted_save, finish_interrupted_saves
+from lightning_sdp4bit.strategies import common
 
 __all__ = [
     "MultiProcessingLauncher",
@@ -79,7 +80,7 @@ def finish_interrupted_checkpoint_saves(trainer: pl.Trainer) -> list[Path]:
     """Complete the interrupted first saves in the trainer's checkpoint folders (ModelCheckpoint
     folders, OnExceptionCheckpoint paths), warning for each; returns the paths completed."""
     finished: list[Path] = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    for callback in common.callbacks_of(trainer):
         if isinstance(callback, ModelCheckpoint):
             # Where ModelCheckpoint itself looks for "last" (its dirpath, or the one it derives
             # from the logger and default_root_dir before setup).
@@ -100,7 +101,9 @@ class _FinishesInterruptedSaves:
         if trainer is not None:
             finish_interrupted_checkpoint_saves(trainer)
             # Trainer._run restores after the strategy's setup without its weights_only (2.6.6).
-            trainer.strategy.entry_weights_only = entry_argument("weights_only", function, *args, **kwargs)
+            trainer.strategy.entry_weights_only = entry_argument(  # type: ignore[attr-defined]  # ShardedCheckpoints'
+                "weights_only", function, *args, **kwargs
+            )
         check_ckpt_path(function, *args, started_rank=self._started_rank(), **kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 

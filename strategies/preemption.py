@@ -42,9 +42,9 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
-from lightning_sdp4bit.strategies import uneven_data
 
 from lightning_sdp4bit import comm
+from lightning_sdp4bit.strategies import uneven_data
 
 __all__ = ["PreemptionSignal"]
 
@@ -103,6 +103,7 @@ class PreemptionSignal:
             self.trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
         if reduced is not None:
+            assert self._group is not None  # reduced is only read from the group's all-reduce
             uneven_data.stop_if_uneven(self.trainer, reduced, self._group, self._timeouts)
 
     def close(self) -> None:

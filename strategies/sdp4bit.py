@@ -31,17 +31,17 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor
+
+from lightning_sdp4bit.config import SDP4BitConfig
+from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.strategies import common, launchers, peers
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
 from lightning_sdp4bit.strategies.common import SUPPORTED_PRECISIONS
 from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
 from lightning_sdp4bit.strategies.preemption import PreemptionSignal
 from lightning_sdp4bit.strategies.trainer_checkpoints import ShardedCheckpoints
-from torch import Tensor
-
-from lightning_sdp4bit.config import SDP4BitConfig
-from lightning_sdp4bit.engine import ShardedEngine
-from lightning_sdp4bit.stats import WireMeter
 
 __all__ = ["SUPPORTED_PRECISIONS", "SDP4BitStrategy"]
 
@@ -172,14 +172,14 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
                 self.num_processes,
                 self.meter,
                 self._timeout,
-                manual=not self.lightning_module.automatic_optimization,
+                manual=not trainer.lightning_module.automatic_optimization,
             )
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self.engine.shard_optimizer(optimizer)
             common.rewire_lightning_optimizers(self._lightning_optimizers)
             self._weight_hooks = WeightReadingHooks(self._wait_weights, self.engine.tracking_weight_writes)
-            self._weight_hooks.install(trainer, self.lightning_module)
+            self._weight_hooks.install(trainer, trainer.lightning_module)
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -190,8 +190,9 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
             plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
             plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
             plugin._after_closure = self._after_closure  # type: ignore[method-assign]
-            if self.config.log_comm_stats and not any(isinstance(c, CommStatsLogger) for c in trainer.callbacks):
-                trainer.callbacks.append(CommStatsLogger())
+            callbacks = common.callbacks_of(trainer)
+            if self.config.log_comm_stats and not any(isinstance(c, CommStatsLogger) for c in callbacks):
+                callbacks.append(CommStatsLogger())
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -216,7 +217,9 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         """
         assert self.engine is not None
         trainer = model.trainer
-        readers = [obj for obj in [*trainer.callbacks, model] if overrides_hook(obj, "on_before_optimizer_step")]
+        readers = [
+            obj for obj in [*common.callbacks_of(trainer), model] if overrides_hook(obj, "on_before_optimizer_step")
+        ]
         with self.engine.reduced_gradients() if readers else nullcontext():
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
@@ -319,7 +322,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
             self._preemption = None
         module = self.lightning_module
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
-            if self._layer_sync:
+            if self._layer_sync and self.model is not None:
                 self.model = self._layer_sync.revert(self.model)
         super().teardown()
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -36,13 +36,12 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning_sdp4bit.strategies import common
-from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
-from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.simulation import SimulatedEngine, check_shape, parse_world
+from lightning_sdp4bit.strategies import common
+from lightning_sdp4bit.strategies.hooks import WeightReadingHooks, overrides_hook
 
 __all__ = ["SDP4BitSimulationStrategy"]
 
@@ -53,7 +52,7 @@ _NONE_STEP = (
 )
 
 
-def _refuse(what: str) -> None:
+def _refuse(what: str) -> NoReturn:
     raise ValueError(f"SDP4BitSimulationStrategy: {what}")
 
 
@@ -72,34 +71,33 @@ class _RankLoaders:
                 f"{type(loader.batch_sampler).__name__}; the simulation supports the samplers Lightning replaces by "
                 "DistributedSampler (a DataLoader with shuffle=True or False and no custom sampler or batch_sampler)"
             )
+        assert isinstance(sampler, DistributedSampler)  # checked above
         self._transfer, self._sampler0 = transfer, sampler
+        self._samplers: dict[int, DistributedSampler] = {
+            rank: DistributedSampler(
+                sampler.dataset, world, rank, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last
+            )
+            for rank in range(1, world)
+        }
         self._loaders = {
             rank: DataLoader(
                 loader.dataset,
                 batch_size=loader.batch_size,
-                sampler=DistributedSampler(
-                    sampler.dataset,
-                    world,
-                    rank,
-                    shuffle=sampler.shuffle,
-                    seed=sampler.seed,
-                    drop_last=sampler.drop_last,
-                ),
+                sampler=rank_sampler,
                 num_workers=loader.num_workers,
                 collate_fn=loader.collate_fn,
                 pin_memory=loader.pin_memory,
                 drop_last=loader.drop_last,
             )
-            for rank in range(1, world)
+            for rank, rank_sampler in self._samplers.items()
         }
         self._iterators: dict[int, Iterator] = {}
 
     def next_batch(self, rank: int, restart: bool) -> Any:
         """Rank `rank`'s next batch, on the device; `restart` at rank 0's batch 0."""
         if restart or rank not in self._iterators:
-            loader = self._loaders[rank]
-            loader.sampler.set_epoch(self._sampler0.epoch)  # what the loop set on rank 0's
-            self._iterators[rank] = iter(loader)
+            self._samplers[rank].set_epoch(self._sampler0.epoch)  # what the loop set on rank 0's
+            self._iterators[rank] = iter(self._loaders[rank])
         return self._transfer(next(self._iterators[rank]))
 
 
@@ -137,7 +135,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         return self.simulated_world_size  # what every process of the job reports
 
     @property
-    def global_rank(self) -> int:
+    def global_rank(self) -> int:  # type: ignore[override]  # Lightning's is settable; this one follows the turn
         return self._turn_rank  # rank r during its turn; rank 0 (this process) otherwise
 
     @property
@@ -154,6 +152,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
     def setup_environment(self) -> None:
         if len(self.parallel_devices or []) != 1:
             _refuse(f"runs on one device; the Trainer gave it {len(self.parallel_devices or [])} (set devices=1)")
+        assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
         reset_seed()  # as each process of a real job does when it sets up its environment
 
@@ -172,10 +171,11 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         """One process: the simulated ranks live inside it (`global_rank`, `world_size`)."""
 
     def setup(self, trainer: pl.Trainer) -> None:
-        module = self.lightning_module
+        module = trainer.lightning_module
         if trainer.state.fn != TrainerFn.FITTING:
-            _refuse(f"trainer.{trainer.state.fn.value}() is not supported; use the fitted module with another strategy")
+            _refuse(f"trainer.{trainer.state.fn}() is not supported; use the fitted module with another strategy")
         self._check_supported(trainer, module)
+        assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -188,9 +188,9 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
         plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: engine.clip_grad_norm(float(clip_val))
-        plugin.clip_grad_by_value = lambda optimizer, clip_val: engine.clip_grad_value(float(clip_val))
-        plugin._after_closure = self._after_closure
+        plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+        plugin._after_closure = self._after_closure  # type: ignore[method-assign]
         self._weight_hooks = WeightReadingHooks(engine.wait_weights, engine.tracking_weight_writes)
         self._weight_hooks.install(trainer, module)
         engine.share_rng_state()  # every process's set-up ends here, with the same draws as this one's
@@ -199,11 +199,13 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         if not module.automatic_optimization:
             _refuse("manual optimization is not supported; use automatic optimization")
         readers = [
-            type(o).__name__ for o in [*trainer.callbacks, module] if overrides_hook(o, "on_before_optimizer_step")
+            type(o).__name__
+            for o in [*common.callbacks_of(trainer), module]
+            if overrides_hook(o, "on_before_optimizer_step")
         ]
         if readers:
             _refuse(f"{readers} override on_before_optimizer_step; hooks that read gradients are not supported")
-        if any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
+        if any(isinstance(c, ModelCheckpoint) for c in common.callbacks_of(trainer)):
             _refuse(
                 "writes no checkpoints (every rank's optimizer state lives in this process): "
                 "pass enable_checkpointing=False"
@@ -213,9 +215,14 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         common.refuse_finetuning_callbacks(trainer)
         common.check_precision(getattr(self.precision_plugin, "precision", None))
 
+    def _trainer(self) -> pl.Trainer:
+        module = self.lightning_module
+        assert module is not None  # set before setup
+        return module.trainer
+
     def on_train_start(self) -> None:
         """The train dataloader exists now: refuse what the simulation cannot split, before any step."""
-        loaders = self.lightning_module.trainer.train_dataloader
+        loaders = self._trainer().train_dataloader
         if isinstance(loaders, (Mapping, list, tuple)):
             if len(loaders) != 1:
                 _refuse(f"got {len(loaders)} train dataloaders; the simulation supports one")
@@ -223,7 +230,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         self._loaders[("train", 0)] = _RankLoaders(loaders, self.simulated_world_size, self.batch_to_device, "train")
 
     def on_validation_start(self) -> None:
-        loaders = self.lightning_module.trainer.val_dataloaders
+        loaders = self._trainer().val_dataloaders
         for index, loader in enumerate(loaders if isinstance(loaders, (list, tuple)) else [loaders]):
             self._loaders[("val", index)] = _RankLoaders(
                 loader, self.simulated_world_size, self.batch_to_device, "validation"
@@ -237,17 +244,18 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         """Rank `rank`'s step: the engine runs as it (its gradients, RNG stream and buffers), and
         the Trainer and `rank_zero_only` see it as the process's rank."""
         assert self.engine is not None
-        previous = rank_zero_only.rank
-        self._turn_rank = rank_zero_only.rank = rank
+        self._turn_rank = rank
+        common.set_rank_zero_only(rank)
         try:
             with self.engine.running_as(rank):
                 yield
         finally:
-            self._turn_rank, rank_zero_only.rank = 0, previous
+            self._turn_rank = 0
+            common.set_rank_zero_only(0)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
-        engine, trainer, batch_idx = self.engine, self.lightning_module.trainer, args[1]
+        engine, trainer, batch_idx = self.engine, self._trainer(), args[1]
         accumulate = trainer.accumulate_grad_batches  # Lightning divides each loss by it
         engine.pre_forward()
         for rank in range(1, self.simulated_world_size):
@@ -281,6 +289,14 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         assert self.engine is not None
         with self.engine.no_sync():
             yield
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        assert self.engine is not None
+        self.engine.clip_grad_norm(float(clip_val))
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        assert self.engine is not None
+        self.engine.clip_grad_value(float(clip_val))
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         assert self.engine is not None

@@ -107,8 +107,9 @@ class GraphedRanks:
         for index, tokens in enumerate(micro_batches):
             copy = index % len(self._graphs)
             stream = self._streams[copy]
-            if taken[copy] is not None:
-                stream.wait_event(taken[copy])
+            previous = taken[copy]
+            if previous is not None:
+                stream.wait_event(previous)
             with torch.cuda.stream(stream):
                 loss, grads = self._graphs[copy](tokens)
             caller.wait_event(stream.record_event())

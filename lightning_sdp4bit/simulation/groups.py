@@ -31,7 +31,8 @@ class _Rendezvous:
     """One collective in progress: the members' (input, output) pairs until the last arrives."""
 
     def __init__(self, size: int, op: str, complete: Callable[[list[tuple[Tensor, Tensor]]], None]):
-        self.op, self.arrived, self._complete = op, [None] * size, complete
+        self.op, self._complete = op, complete
+        self.arrived: list[tuple[Tensor, Tensor] | None] = [None] * size
         self.done = False
 
     def deposit(self, index: int, pair: tuple[Tensor, Tensor]) -> None:

@@ -56,7 +56,9 @@ class RankStates:
             return
         buffers = list(self._module.buffers())
         self._held = (_rng_state(self._device), [b.detach().clone() for b in buffers])
-        _set_rng_state(self._rng[rank], self._device)
+        state = self._rng[rank]
+        assert state is not None  # ranks 1..W-1 always hold one
+        _set_rng_state(state, self._device)
         self._copy_into(buffers, self._buffers[rank])
 
     def leave(self, rank: int) -> None:
