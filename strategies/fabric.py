@@ -296,7 +296,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
             )
         if not state:
             if sharded_checkpoint.is_sharded_checkpoint(path):
-                return sharded_checkpoint.consolidate_checkpoint(path)
+                return sharded_checkpoint.consolidate_checkpoint(path, weights_only=weights_only)
             return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if self.engine is None:
             raise RuntimeError("fabric.load needs the module set up with fabric.setup first")
@@ -311,7 +311,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
             raise ValueError(f"{path}: pass all {len(self._optimizers)} set-up optimizers or none")
         optimizers = self._optimizers if optimizer_keys else None
         if sharded_checkpoint.is_sharded_checkpoint(path):
-            remainder = self._load_sharded(path, module_keys, optimizers)
+            remainder = self._load_sharded(path, module_keys, optimizers, weights_only)
         else:
             remainder = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             _validate_keys_for_strict_loading(module_keys + optimizer_keys, remainder.keys(), strict=strict)
@@ -330,16 +330,21 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
                 state[key] = remainder.pop(key)
         return remainder
 
-    def _load_sharded(self, path: Any, module_keys: list[str], optimizers: list[Optimizer] | None) -> dict[str, Any]:
+    def _load_sharded(
+        self, path: Any, module_keys: list[str], optimizers: list[Optimizer] | None, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """`weights_only`: Fabric's argument, for meta.pt (the shards are always read with True)."""
         assert self.engine is not None
         if module_keys:
             self.engine.wait_weights()
             # meta.pt of the generation whose shards were loaded.
-            meta = sharded_checkpoint.load_sharded(self.engine, optimizers, path)
+            meta = sharded_checkpoint.load_sharded(self.engine, optimizers, path, weights_only=weights_only)
             self.engine.module.load_state_dict(meta["untrained_state"], strict=False)
             self.engine.weights_loaded()  # a tied weight's second name wrote the loaded value again
         else:
-            meta = sharded_checkpoint.read_meta(path, collective=True, timeouts=common.timeouts_of(self))
+            meta = sharded_checkpoint.read_meta(
+                path, collective=True, timeouts=common.timeouts_of(self), weights_only=weights_only
+            )
         remainder = dict(meta["lightning"])
         remainder.pop(common.SAVED_BY_FABRIC, None)
         return remainder

@@ -10,7 +10,8 @@
   with `fit`, `validate` and `load_from_checkpoint` given `weights_only=False` (fit and validate
   dropped it before: Lightning 2.6 does not pass it to a strategy that restores after setup);
 - what the package writes loads with weights_only=True: the Trainer's sharded checkpoint (it
-  resumes) and the consolidated file (plain torch.load).
+  resumes) and the consolidated file (plain torch.load);
+- Fabric's `load` honours its `weights_only` likewise for an entry of the user's own.
 """
 
 import pathlib
@@ -193,3 +194,30 @@ def test_lightning_honours_weights_only_and_refuses_a_payload(tmp_path):
     assert "meta.pt: refused: it holds pathlib.PurePosixPath" in out["load path"]
     assert out["load path trusted"] == "data"
     assert out["consolidated"] == (2, True)
+
+
+def _fabric(rank, world, directory):
+    """Fabric's load: an entry of its own that is no plain type, refused by default and loaded
+    with fabric.load(..., weights_only=False), as the Trainer's."""
+    from fabric_runs import make_fabric, setup
+    from fabric_runs import sdp4bit as fabric_sdp4bit
+
+    from lightning_sdp4bit.checkpoint import CheckpointError
+
+    fabric = make_fabric(world, fabric_sdp4bit(preset="sdp4bit"))
+    model, optimizer, _ = setup(fabric)
+    path = f"{directory}/fabric.ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "where": pathlib.PurePosixPath("/data")})
+    out = {}
+    try:
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+    except CheckpointError as caught:
+        out["default"] = str(caught)
+    out["trusted"] = fabric.load(path, {"model": model, "optimizer": optimizer}, weights_only=False)["where"].name
+    return out
+
+
+def test_fabric_honours_weights_only(tmp_path):
+    for out in run_workers(_fabric, 2, str(tmp_path)):
+        assert "fabric.ckpt/gen_000000/meta.pt: refused: it holds pathlib.PurePosixPath" in out["default"], out
+        assert out["trusted"] == "data"
