@@ -46,7 +46,12 @@ from lightning_sdp4bit.agreement import check_ranks_agree
 from lightning_sdp4bit.buffer_sync import BufferBroadcast, BufferRule
 from lightning_sdp4bit.buffers import Bucket, allocate_buckets, bucket_layouts
 from lightning_sdp4bit.config import SDP4BitConfig
-from lightning_sdp4bit.guards import check_state_finite, stop_if_skipping_cannot_recover, unfrozen_since_start
+from lightning_sdp4bit.guards import (
+    SkippedSteps,
+    check_state_finite,
+    stop_if_skipping_cannot_recover,
+    unfrozen_since_start,
+)
 from lightning_sdp4bit.module_hooks import CompiledRegionWatch, register_hooks
 from lightning_sdp4bit.optim import replica_optimizer, shard_optimizer, step_replica
 from lightning_sdp4bit.param_grads import gradients_on_parameters
@@ -101,7 +106,6 @@ class ShardedEngine:
                 bucket.master.copy_(bucket.weight_shard)
         rank = ShardedRank(
             buckets,
-            [slot.name for b in buckets for slot in b.layout.slots],
             config,
             topology,
             groups,
@@ -116,12 +120,14 @@ class ShardedEngine:
         self._hooks = register_hooks(self)
         self._compile_watch = CompiledRegionWatch(module)
 
-    def _attach(self, module: nn.Module, config: SDP4BitConfig, ranks: list[ShardedRank], buffers: Any, manual: bool):
+    def _attach(
+        self, module: nn.Module, config: SDP4BitConfig, ranks: list[ShardedRank], buffers: BufferRule, manual: bool
+    ) -> None:
         """What every engine holds besides its ranks' state (`SimulatedEngine` builds its ranks
-        its own way and attaches them here). `buffers`: a `BufferRule` with `before_forward()`."""
+        its own way and attaches them here)."""
         self.module, self.config, self.ranks = module, config, ranks
         self.primary = ranks[0]  # this process's rank; a simulated job's rank 0
-        self.trained_names = [slot.name for b in self.primary.buckets for slot in b.layout.slots]
+        self.trained_names = self.primary.trained_names
         self.frozen_names = [name for name, p in module.named_parameters() if not p.requires_grad]
         self.optimizer_param_names: list[list[list[str]]] = []  # per re-pointed optimizer, per group
         self._buffers: BufferRule = buffers
@@ -164,7 +170,7 @@ class ShardedEngine:
         return self.primary.timeouts
 
     @property
-    def skipped(self) -> Any:
+    def skipped(self) -> SkippedSteps:
         return self.primary.skipped
 
     @property

@@ -67,10 +67,10 @@ class MasterFragment:
     grad: Tensor  # fp32 view into the bucket's gradient shard
 
 
-def master_fragments(buckets: list[Bucket], rank: int, trained_names: list[str]) -> dict[str, list[MasterFragment]]:
+def master_fragments(buckets: list[Bucket], rank: int) -> dict[str, list[MasterFragment]]:
     """Parameter name -> its fragments in `rank`'s shards (at most one per parameter, since a
     parameter sits in one bucket and a shard is contiguous)."""
-    index_of = {name: i for i, name in enumerate(trained_names)}
+    index_of = {slot.name: i for i, slot in enumerate(slot for b in buckets for slot in b.layout.slots)}
     by_name: dict[str, list[MasterFragment]] = {}
     for bucket in buckets:
         for frag in bucket.layout.fragments(rank):
@@ -90,7 +90,6 @@ class ShardedRank:
     def __init__(
         self,
         buckets: list[Bucket],
-        trained_names: list[str],
         config: SDP4BitConfig,
         topology: Topology,
         groups: ProcessGroups,
@@ -100,7 +99,8 @@ class ShardedRank:
     ):
         self.buckets, self.config, self.topology, self.groups, self.meter = buckets, config, topology, groups, meter
         self.timeouts = comm.Timeouts(topology.rank, groups.timeout)  # every wait runs in its named()
-        self.fragments_by_name = master_fragments(buckets, topology.rank, trained_names)
+        self.trained_names = [slot.name for bucket in buckets for slot in bucket.layout.slots]  # bucket order
+        self.fragments_by_name = master_fragments(buckets, topology.rank)
         self.fragments = [record for records in self.fragments_by_name.values() for record in records]
         self.grad_collectives = [grad_collective_for(b, config, topology, groups, meter, stream) for b in buckets]
         self.weight_collectives = [weight_collective_for(b, config, topology, groups, meter, stream) for b in buckets]

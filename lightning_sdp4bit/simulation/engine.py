@@ -134,14 +134,13 @@ class SimulatedEngine(ShardedEngine):
         layouts = bucket_layouts(named, config, world)
         with torch.no_grad():
             shared = allocate_buckets(layouts, dict(named), rank=0)  # the one copy of the weights
-        trained_names = [slot.name for b in shared for slot in b.layout.slots]
         ranks = []
         for rank, groups in enumerate(_simulated_groups(nodes, ranks_per_node)):
             buckets = shared if rank == 0 else [Bucket(b.layout, rank, b.weights, b.params) for b in shared]
             topology = Topology(rank, world, ranks_per_node)
             # No exchange stream and no prefetch: on a GPU the simulated collectives are copies on
             # the current stream, and every rank launches each stage before any waits.
-            ranks.append(ShardedRank(buckets, trained_names, config, topology, groups, WireMeter()))
+            ranks.append(ShardedRank(buckets, config, topology, groups, WireMeter()))
             if rank > 0:
                 ranks[-1].weight_collectives = [_FollowerGather(g) for g in ranks[-1].weight_collectives]
         states = RankStates(module, world, shared[0].weights.device)
