@@ -57,6 +57,7 @@ __all__ = [
     "rewire_lightning_optimizers",
     "save_sharded",
     "callbacks_of",
+    "clip_through",
     "set_rank_zero_only",
     "set_world_ranks",
     "timeouts_of",
@@ -192,6 +193,20 @@ def refuse_finetuning_callbacks(trainer: Any) -> None:
                 "the module's parameters. Freeze parameters before fit (requires_grad=False) and keep them frozen, "
                 "or train them from the start in a parameter group whose learning rate you raise later."
             )
+
+
+def clip_through(plugin: Any, engine: ShardedEngine) -> None:
+    """Route a Trainer precision plugin's clipping to the engine: stock clip-by-norm would take
+    each rank's local shard norm, not the global one, and both read gradients that must be
+    reduced first (manual optimization clips before opt.step())."""
+
+    def by_norm(optimizer: Any, clip_val: int | float) -> None:
+        engine.clip_grad_norm(float(clip_val))
+
+    def by_value(optimizer: Any, clip_val: int | float) -> None:
+        engine.clip_grad_value(float(clip_val))
+
+    plugin.clip_grad_by_norm, plugin.clip_grad_by_value = by_norm, by_value
 
 
 def rewire_lightning_optimizers(wrappers: list[Any]) -> None:

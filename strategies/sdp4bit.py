@@ -186,9 +186,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         if self.engine is not None:
             _optimizers_to_device(self.optimizers, self.root_device)
             plugin = self.precision_plugin
-            # Stock clip-by-norm would take each rank's local shard norm: clip the global norm.
-            plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-            plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+            common.clip_through(plugin, self.engine)
             plugin._after_closure = self._after_closure  # type: ignore[method-assign]
             callbacks = common.callbacks_of(trainer)
             if self.config.log_comm_stats and not any(isinstance(c, CommStatsLogger) for c in callbacks):
@@ -197,14 +195,6 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        assert self.engine is not None
-        self.engine.clip_grad_norm(float(clip_val))
-
-    def _clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
-        assert self.engine is not None
-        self.engine.clip_grad_value(float(clip_val))
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         """Precision._after_closure, with the engine's steps around the hooks: between backward

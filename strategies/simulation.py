@@ -188,8 +188,7 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
         plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+        common.clip_through(plugin, engine)
         plugin._after_closure = self._after_closure  # type: ignore[method-assign]
         self._weight_hooks = WeightReadingHooks(engine.wait_weights, engine.tracking_weight_writes)
         self._weight_hooks.install(trainer, module)
@@ -289,14 +288,6 @@ class SDP4BitSimulationStrategy(common.DataParallelLayout, ParallelStrategy):
         assert self.engine is not None
         with self.engine.no_sync():
             yield
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        assert self.engine is not None
-        self.engine.clip_grad_norm(float(clip_val))
-
-    def _clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
-        assert self.engine is not None
-        self.engine.clip_grad_value(float(clip_val))
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         assert self.engine is not None
