@@ -1,5 +1,5 @@
 """DDP against sdp4bit and its ablations on a real multi-host cluster: hosts in network namespaces
-joined by a shaped link (tests/cluster.py), one torchrun agent per host, gloo over TCP, on CPU.
+joined by a shaped link (tests/support/namespace_cluster.py), one torchrun agent per host, gloo over TCP, on CPU.
 
     python benchmarks/cluster.py --out benchmarks/results/cluster_cpu_<date>.md   # needs root and iproute2
     python benchmarks/cluster.py --topologies 2x1 --links 1gbit --steps 6         # one corner
@@ -35,7 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 STRATEGIES = ["ddp", "sdp4bit-baseline", "sdp4bit-qwd", "sdp4bit-tlq_hs", "sdp4bit"]
 TX_COUNTER = "/sys/class/net/eth0/statistics/tx_bytes"
@@ -82,8 +82,8 @@ def _strategy(name: str):
 def _worker(args: argparse.Namespace) -> None:
     """One rank (or the lone floor process): train, time, count, and save the figures."""
     import lightning.pytorch as pl
-    from cluster import save_result
     from lightning.pytorch.callbacks import Callback
+    from namespace_cluster import save_result
 
     torch.set_num_threads(1)
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -167,7 +167,7 @@ def _floor(args: argparse.Namespace) -> dict:
 
 
 def _cluster_run(args: argparse.Namespace, hosts: int, nproc: int, link: str, name: str) -> dict | None:
-    from cluster import Cluster
+    from namespace_cluster import Cluster
 
     with tempfile.TemporaryDirectory() as directory, Cluster(hosts, rate=None if link == "none" else link) as cluster:
         run = cluster.torchrun(
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args)
         return
-    from cluster import unavailable_reason
+    from namespace_cluster import unavailable_reason
 
     reason = unavailable_reason()
     if reason:

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
 
 from models import batch, make_model  # noqa: E402  (the tests' tiny transformer)
 

@@ -1,44 +1,18 @@
-"""Test-wide switches: tests marked `gpu` run only where CUDA is available, and their skip prints
-its reason (pytest -ra). Without CUDA, the Triton kernels (tests/test_kernels_*.py) run in
-Triton's CPU interpreter. The whole suite takes about 8.5 minutes on 2 CPU cores (measured from
-a fresh clone on 2026-12-02: `make test` 563 s with the install, 496 s of tests), most of it in
-multi-process Lightning fits, the namespace cluster, the stall and preemption jobs and the
-checkpoint fault injection; workers start from a forkserver (tests/distributed.py), so nothing
-is marked slow."""
+"""The root of the test tree. Every file opens with a docstring that lists what it checks.
 
-import os
+- support/: the helpers that tests import by bare name (`from distributed import run_workers`;
+  pyproject's `pythonpath` puts this folder first on sys.path), the scripts that tests start as
+  subprocesses, and the suite's pytest plugin (support/suite.py: the `gpu` marker's skip, the
+  Triton interpreter without CUDA, shared fixtures), loaded here and by benchmarks/tests/conftest.py.
 
-import pytest
-import torch
+Multi-process tests start their workers from a forkserver (support/distributed.py), which imports
+a test's worker function by its module's name. The forkserver starts at the first such test and
+copies sys.path then, after collection has put every test folder on it (pytest's default
+`prepend` import mode), so test module names must be unique across all folders.
 
-# Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when lightning_sdp4bit.kernels is
-# first imported, which is after this file is loaded. It changes nothing else: the package's
-# dispatch sends only CUDA tensors to the kernels.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+The whole suite takes about 8.5 minutes on 2 CPU cores (measured from a fresh clone on
+2026-12-02: `make test` 563 s with the install, 496 s of tests), most of it in multi-process
+Lightning fits, the namespace cluster, the stall and preemption jobs and the checkpoint fault
+injection; the forkserver makes workers cheap, so nothing is marked slow."""
 
-
-def pytest_collection_modifyitems(config, items):
-    has_cuda = torch.cuda.is_available()
-    for item in items:
-        if "gpu" in item.keywords and not has_cuda:
-            item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device"))
-
-
-@pytest.fixture
-def benchmark_script(monkeypatch):
-    """Import a benchmarks/ script by name; afterwards, undo what the import did to sys.path and
-    drop the benchmarks/ modules it loaded. Some scripts put benchmarks/ first on sys.path, where
-    its cluster.py would shadow tests/cluster.py for the workers that later tests start."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
-    monkeypatch.setattr(sys, "path", [str(benchmarks), *sys.path])
-    before = set(sys.modules)
-    yield importlib.import_module
-    # The scripts' own new modules only: a package such as triton cannot be imported twice.
-    for name in set(sys.modules) - before:
-        if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == benchmarks:
-            del sys.modules[name]
+pytest_plugins = ["suite"]

@@ -1,5 +1,6 @@
 """SDP4BitStrategy on a real multi-host cluster: hosts in network namespaces, torchrun per host,
-gloo over TCP between them (tests/cluster.py builds it; tests/cluster_worker.py trains).
+gloo over TCP between them (tests/support/namespace_cluster.py builds it;
+tests/support/cluster_worker.py trains).
 
 Checked:
 - 2 hosts x 2 processes, default config, ranks_per_node unset: both stages of the two-level
@@ -29,14 +30,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster import SUBNET, Cluster, unavailable_reason
 from distributed import run_workers
 from lightning_runs import make_trainer, sdp4bit, weights
 from models import TinyLMModule
+from namespace_cluster import SUBNET, Cluster, unavailable_reason
 
 pytestmark = pytest.mark.skipif(bool(unavailable_reason()), reason=f"no cluster: {unavailable_reason()}")
 
-WORKER = str(Path(__file__).with_name("cluster_worker.py"))
+WORKER = str(Path(__file__).resolve().parent / "support" / "cluster_worker.py")
 RUN_TIMEOUT_S = 240
 """Wall-clock bound of one cluster run (start-up of 2-4 Lightning processes on 2 cores included)."""
 COLLECTIVE_TIMEOUT_S = 15

@@ -1,8 +1,8 @@
-"""tests/cluster.py itself, without torchrun: the hosts reach each other over their addresses,
-and the cluster leaves nothing behind — after an exception (its namespaces and the processes
-inside them are gone), after SIGTERM of the process that made it, and after a creator that died
-without cleaning up (the next cluster deletes those stale namespaces). Skipped, with the reason,
-where namespaces cannot be made."""
+"""The namespace cluster (tests/support/namespace_cluster.py) itself, without torchrun: the hosts
+reach each other over their addresses, and the cluster leaves nothing behind — after an exception
+(its namespaces and the processes inside them are gone), after SIGTERM of the process that made
+it, and after a creator that died without cleaning up (the next cluster deletes those stale
+namespaces). Skipped, with the reason, where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import PREFIX, Cluster, unavailable_reason
+from namespace_cluster import PREFIX, Cluster, unavailable_reason
 
 pytestmark = pytest.mark.skipif(bool(unavailable_reason()), reason=f"no cluster: {unavailable_reason()}")
 
@@ -55,11 +55,12 @@ def test_three_hosts_talk_over_the_switch_and_nothing_survives_an_exception():
 def test_sigterm_of_the_creator_removes_its_cluster(tmp_path):
     ready = tmp_path / "ready"
     script = (
-        "import sys, time; sys.path.insert(0, sys.argv[1]); from cluster import Cluster\n"
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from namespace_cluster import Cluster\n"
         "with Cluster(hosts=2) as c:\n"
         "    open(sys.argv[2], 'w').write(' '.join([c.switch, *c.namespaces])); time.sleep(600)\n"
     )
-    creator = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parent), str(ready)])
+    support = Path(__file__).resolve().parent / "support"  # where namespace_cluster.py is
+    creator = subprocess.Popen([sys.executable, "-c", script, str(support), str(ready)])
     deadline = time.monotonic() + 60
     while not ready.exists() or not ready.read_text():
         assert time.monotonic() < deadline and creator.poll() is None

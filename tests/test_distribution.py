@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 DISTRIBUTION = "lightning-sdp4bit"
 # Folders whose scripts put one another on sys.path (benchmarks import examples' gpt and the
 # tests' models): their module names are local, not third-party.
-SCRIPT_FOLDERS = ("examples", "benchmarks", "tests")
+SCRIPT_FOLDERS = ("examples", "benchmarks")
+# Test trees: pytest puts each of their folders on sys.path, so their module names are local too.
+TEST_TREES = ("tests",)
 # Source folder -> the extras whose distributions its imports may come from (besides the dependencies).
 EXTRAS = {
     "lightning_sdp4bit": (),
@@ -64,6 +66,8 @@ def _local_modules() -> set[str]:
     for folder in SCRIPT_FOLDERS:
         names |= {p.stem for p in (REPO / folder).glob("*.py")}
         names |= {p.name for p in (REPO / folder).iterdir() if (p / "__init__.py").exists()}
+    for tree in TEST_TREES:
+        names |= {p.stem for p in (REPO / tree).rglob("*.py")}
     return names
 
 

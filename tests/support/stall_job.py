@@ -1,9 +1,9 @@
-"""A 2-rank CPU job, started as a user would (`python tests/stall_job.py ...`, Lightning's popen
+"""A 2-rank CPU job, started as a user would (`python tests/support/stall_job.py ...`, Lightning's popen
 launcher starts the second rank), in which one rank stalls: it sleeps in its third step, as a rank
 with a hung data loader would. The strategy's `timeout=` must end the job.
 
-    python tests/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
-    torchrun --nproc-per-node 2 tests/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
+    python tests/support/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
+    torchrun --nproc-per-node 2 tests/support/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
 
 Each process writes its PID to $STALL_PIDS/rank<N>, so that the test can see which ones outlive
 the job, and the stalled rank touches $STALL_PIDS/stalled before it sleeps.

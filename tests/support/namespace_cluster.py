@@ -1,7 +1,7 @@
 """A multi-host cluster on one Linux machine: hosts are network namespaces, joined by a switch.
 
     with Cluster(hosts=2, rate="100mbit") as cluster:
-        run = cluster.torchrun("tests/cluster_worker.py", ["--steps", "4"], nproc_per_node=2)
+        run = cluster.torchrun("tests/support/cluster_worker.py", ["--steps", "4"], nproc_per_node=2)
         run.wait(timeout=120)
         results = run.results()          # {global rank: whatever that rank passed to save_result}
 

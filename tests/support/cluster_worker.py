@@ -1,13 +1,13 @@
 """The training script that tests/test_cluster.py runs on every rank of a cluster (under torchrun).
 
-    python -m torch.distributed.run ... tests/cluster_worker.py '<json options>'
+    python -m torch.distributed.run ... tests/support/cluster_worker.py '<json options>'
 
 Options (JSON, all optional): "steps" (optimizer steps, default 4), "config" (SDP4BitConfig dict),
 "timeout_s" (the strategy's collective timeout), "save" (a checkpoint path written after fit),
 "progress" (a directory: rank r writes its global step to step_<r> after each optimizer step),
 "result_at_step" (save the result after that optimizer step, from a hook, and train on: a run
 that is stopped from outside still leaves its results). Each rank saves {"weights",
-"comm_stats", "masters", "world", "local_world"} through cluster.save_result, after fit unless
+"comm_stats", "masters", "world", "local_world"} through namespace_cluster.save_result, after fit unless
 "result_at_step" is given.
 """
 
@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-import cluster
+import namespace_cluster
 import torch
 from lightning_runs import TRAINER_DEFAULTS
 from models import TinyLMModule
@@ -69,7 +69,7 @@ def _save(module, strategy, world: int) -> None:
     for records in strategy.engine.fragments_by_name.values():
         for record in records:
             masters[(record.fragment.name, record.fragment.param_start)] = record.master.clone()
-    cluster.save_result(
+    namespace_cluster.save_result(
         {
             "weights": {n: p.detach().float().clone() for n, p in module.model.named_parameters()},
             "comm_stats": dict(strategy.comm_stats),

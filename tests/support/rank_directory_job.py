@@ -2,7 +2,7 @@
 which rank 1 runs in another working directory, as on a node with its own: the relative
 `ckpt_path` exists only where rank 0 looks for it.
 
-    python tests/rank_directory_job.py RANK_1_DIRECTORY
+    python tests/support/rank_directory_job.py RANK_1_DIRECTORY
 
 Run from a directory that holds `rel.ckpt`. Rank 1 changes into RANK_1_DIRECTORY before fit.
 """

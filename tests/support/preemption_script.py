@@ -1,7 +1,7 @@
 """A training script that one rank SIGTERMs itself in, as a preemption would: run by
 tests/test_preemption.py under Lightning's own launcher (popen) and under torchrun.
 
-    python tests/preemption_script.py '{"strategy": "sdp4bit", "directory": "...", "rank": 1,
+    python tests/support/preemption_script.py '{"strategy": "sdp4bit", "directory": "...", "rank": 1,
                                         "save": 2, "at": "fsync"}'
 
 Options: `strategy` "sdp4bit" or "ddp"; `directory` for the checkpoints (ModelCheckpoint with a
