@@ -1,9 +1,14 @@
 """The root of the test tree. Every file opens with a docstring that lists what it checks.
 
+- unit/: one process, no process group, no Trainer: the config, the reference quantizer and
+  ops, the Triton kernels against their twins (in Triton's CPU interpreter without CUDA), launch
+  signatures, buffers, the schedule, window gradients, weight access and edits, simulated process
+  groups, collective timeouts with fake handles, the simulation on a GPU; and the package as a
+  user installs it (its layout, declared dependencies, README and CHANGELOG);
 - support/: the helpers that tests import by bare name (`from distributed import run_workers`;
   pyproject's `pythonpath` puts this folder first on sys.path), the scripts that tests start as
   subprocesses, and the suite's pytest plugin (support/suite.py: the `gpu` marker's skip, the
-  Triton interpreter without CUDA, shared fixtures), loaded here and by benchmarks/tests/conftest.py.
+  Triton interpreter without CUDA, shared fixtures), loaded here.
 
 Multi-process tests start their workers from a forkserver (support/distributed.py), which imports
 a test's worker function by its module's name. The forkserver starts at the first such test and

@@ -19,7 +19,7 @@ from packaging.requirements import Requirement
 
 import lightning_sdp4bit
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DISTRIBUTION = "lightning-sdp4bit"
 # Folders whose scripts put one another on sys.path (benchmarks import examples' gpt and the
 # tests' models): their module names are local, not third-party.

@@ -14,7 +14,7 @@ Checks:
 - every bad argument raises a ValueError that names the parameter (weights, applied, master);
 - the op is a `torch.library` custom op that compiles in one graph, and `lightning_sdp4bit.ops`
   sends CPU tensors to the twin and, on CUDA, CUDA tensors to the kernel.
-Runs on CUDA where there is a GPU, else in Triton's interpreter (tests/conftest.py).
+Runs on CUDA where there is a GPU, else in Triton's interpreter (tests/support/suite.py).
 """
 
 import pytest

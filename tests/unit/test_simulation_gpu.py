@@ -16,8 +16,8 @@ import torch
 from lightning_sdp4bit.simulation.graphed import GraphedRanks
 
 sys.path[:0] = [
-    str(Path(__file__).resolve().parents[1] / "benchmarks"),
-    str(Path(__file__).resolve().parents[1] / "examples"),
+    str(Path(__file__).resolve().parents[2] / "benchmarks"),
+    str(Path(__file__).resolve().parents[2] / "examples"),
 ]
 
 pytestmark = pytest.mark.gpu

@@ -15,8 +15,8 @@ programs with a partial last one):
 - grad_encode_pieces, reading a bucket's gradients where they lie (some below the first, a slot
   with none, padding), gives the bytes of grad_encode of the assembled bucket, with either
   rounding.
-Runs on CUDA where there is a GPU, else in Triton's interpreter (tests/conftest.py), so sizes are
-small.
+Runs on CUDA where there is a GPU, else in Triton's interpreter (tests/support/suite.py), so
+sizes are small.
 """
 
 import pytest
