@@ -5,6 +5,10 @@
   signatures, buffers, the schedule, window gradients, weight access and edits, simulated process
   groups, collective timeouts with fake handles, the simulation on a GPU; and the package as a
   user installs it (its layout, declared dependencies, README and CHANGELOG);
+- multiprocess/: the engine and the compressed collectives on several gloo processes, without a
+  Trainer: against the single-process simulation of the same math, applied shards, checkpoints at
+  the engine's level (formats, writer locks, a full disk, a resume that changes something), ranks
+  that build different models;
 - support/: the helpers that tests import by bare name (`from distributed import run_workers`;
   pyproject's `pythonpath` puts this folder first on sys.path), the scripts that tests start as
   subprocesses, and the suite's pytest plugin (support/suite.py: the `gpu` marker's skip, the
