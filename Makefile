@@ -12,8 +12,8 @@ TYPECHECK := build/typecheck
 GPU_PYTHON ?= python3
 GPU_INSTALL := build/gpu-install
 # Every test file with a test that needs CUDA (marked gpu, or skipped without CUDA).
-GPU_TESTS := tests/*gpu*.py tests/unit/*gpu*.py tests/unit/test_kernels_*.py tests/unit/test_weight_edits.py \
-	tests/multiprocess/test_simulation.py tests/test_compile.py tests/test_emulated_network.py \
+GPU_TESTS := tests/*gpu*.py tests/*/*gpu*.py tests/unit/test_kernels_*.py tests/unit/test_weight_edits.py \
+	tests/multiprocess/test_simulation.py tests/integration/test_compile.py tests/test_emulated_network.py \
 	tests/test_benchmark_instruments.py
 # pipefail in `make lint` (mypy's exit status through sed).
 SHELL := /bin/bash

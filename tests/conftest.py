@@ -9,6 +9,10 @@
   Trainer: against the single-process simulation of the same math, applied shards, checkpoints at
   the engine's level (formats, writer locks, a full disk, a resume that changes something), ranks
   that build different models;
+- integration/: the adapters under Lightning's Trainer and Fabric and the simulation strategy,
+  mostly against DDP on the same seed (hooks, clipping, compile, buffers, guards, checkpoints
+  through the Trainer, the bytes on the wire); the examples; and jobs started as a user starts
+  them: launchers, preemption, a stalled rank, the namespace cluster;
 - support/: the helpers that tests import by bare name (`from distributed import run_workers`;
   pyproject's `pythonpath` puts this folder first on sys.path), the scripts that tests start as
   subprocesses, and the suite's pytest plugin (support/suite.py: the `gpu` marker's skip, the

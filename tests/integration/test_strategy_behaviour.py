@@ -210,7 +210,7 @@ def test_a_ckpt_path_missing_on_one_rank_names_the_rank_and_its_directory(tmp_pa
     import sys
     from pathlib import Path
 
-    job = Path(__file__).resolve().parent / "support" / "rank_directory_job.py"
+    job = Path(__file__).resolve().parents[1] / "support" / "rank_directory_job.py"
     (tmp_path / "rank0").mkdir()
     (tmp_path / "rank1").mkdir()
     (tmp_path / "rank0" / "rel.ckpt").write_bytes(b"")  # rank 0 passes the check, then waits for rank 1

@@ -15,7 +15,7 @@ import pytest
 
 from lightning_sdp4bit.checkpoint import is_sharded_checkpoint
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "fabric_litgpt.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "fabric_litgpt.py"
 SMALL = ["--steps", "6", "--n-layer", "2", "--n-embd", "64", "--block-size", "64", "--batch-size", "4"]
 
 

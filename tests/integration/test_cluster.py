@@ -37,7 +37,7 @@ from namespace_cluster import SUBNET, Cluster, unavailable_reason
 
 pytestmark = pytest.mark.skipif(bool(unavailable_reason()), reason=f"no cluster: {unavailable_reason()}")
 
-WORKER = str(Path(__file__).resolve().parent / "support" / "cluster_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "support" / "cluster_worker.py")
 RUN_TIMEOUT_S = 240
 """Wall-clock bound of one cluster run (start-up of 2-4 Lightning processes on 2 cores included)."""
 COLLECTIVE_TIMEOUT_S = 15

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from distributed import _free_port
 
-JOB = Path(__file__).resolve().parent / "support" / "stall_job.py"
+JOB = Path(__file__).resolve().parents[1] / "support" / "stall_job.py"
 TIMEOUT_S = 10
 """The strategy's collective timeout in these jobs (also the rendezvous's: room for a rank that
 starts late on 2 busy cores)."""

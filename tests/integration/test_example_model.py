@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from gpt.data import TokenDataModule  # noqa: E402
 from gpt.model import GPT, GPTConfig  # noqa: E402

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from gpt.config import ConfigError  # noqa: E402
 from gpt.data import TokenDataModule, TokenWindows, embedded_corpus, load_tokens, val_start, vocab_size_of  # noqa: E402

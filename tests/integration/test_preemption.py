@@ -112,7 +112,7 @@ def test_sigterm_at_any_point_of_a_save_or_backward_stops_every_rank_and_resumes
             assert exact, point
 
 
-SCRIPT = Path(__file__).resolve().parent / "support" / "preemption_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "preemption_script.py"
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ import torch
 from lightning_sdp4bit.engine import ShardedEngine
 from lightning_sdp4bit.topology import Topology
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from emulated_runs import MODELS, EmulatedStrategy, GPTModule, row_config, trainer_and_data  # noqa: E402
 from emulation import Network  # noqa: E402

@@ -59,7 +59,7 @@ def test_sigterm_of_the_creator_removes_its_cluster(tmp_path):
         "with Cluster(hosts=2) as c:\n"
         "    open(sys.argv[2], 'w').write(' '.join([c.switch, *c.namespaces])); time.sleep(600)\n"
     )
-    support = Path(__file__).resolve().parent / "support"  # where namespace_cluster.py is
+    support = Path(__file__).resolve().parents[1] / "support"  # where namespace_cluster.py is
     creator = subprocess.Popen([sys.executable, "-c", script, str(support), str(ready)])
     deadline = time.monotonic() + 60
     while not ready.exists() or not ready.read_text():
