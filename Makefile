@@ -12,9 +12,9 @@ TYPECHECK := build/typecheck
 GPU_PYTHON ?= python3
 GPU_INSTALL := build/gpu-install
 # Every test file with a test that needs CUDA (marked gpu, or skipped without CUDA).
-GPU_TESTS := tests/*gpu*.py tests/*/*gpu*.py tests/unit/test_kernels_*.py tests/unit/test_weight_edits.py \
-	tests/multiprocess/test_simulation.py tests/integration/test_compile.py tests/test_emulated_network.py \
-	tests/test_benchmark_instruments.py
+GPU_TESTS := tests/*/*gpu*.py tests/unit/test_kernels_*.py tests/unit/test_weight_edits.py \
+	tests/multiprocess/test_simulation.py tests/integration/test_compile.py benchmarks/tests/*gpu*.py \
+	benchmarks/tests/test_benchmark_instruments.py benchmarks/tests/test_emulated_network.py
 # pipefail in `make lint` (mypy's exit status through sed).
 SHELL := /bin/bash
 

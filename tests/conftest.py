@@ -16,7 +16,9 @@
 - support/: the helpers that tests import by bare name (`from distributed import run_workers`;
   pyproject's `pythonpath` puts this folder first on sys.path), the scripts that tests start as
   subprocesses, and the suite's pytest plugin (support/suite.py: the `gpu` marker's skip, the
-  Triton interpreter without CUDA, shared fixtures), loaded here.
+  Triton interpreter without CUDA, shared fixtures), loaded by this file and by
+  benchmarks/tests/conftest.py;
+- the benchmarks' tests are beside the scripts they check, in benchmarks/tests/.
 
 Multi-process tests start their workers from a forkserver (support/distributed.py), which imports
 a test's worker function by its module's name. The forkserver starts at the first such test and

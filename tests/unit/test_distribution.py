@@ -25,14 +25,16 @@ DISTRIBUTION = "lightning-sdp4bit"
 # tests' models): their module names are local, not third-party.
 SCRIPT_FOLDERS = ("examples", "benchmarks")
 # Test trees: pytest puts each of their folders on sys.path, so their module names are local too.
-TEST_TREES = ("tests",)
+TEST_TREES = ("tests", "benchmarks/tests")
 # Source folder -> the extras whose distributions its imports may come from (besides the dependencies).
+# A file belongs to the innermost folder that holds it (benchmarks/tests/ is not benchmarks/).
 EXTRAS = {
     "lightning_sdp4bit": (),
     "strategies": (),
     "kernels": (),
     "examples": ("examples", "litgpt"),
     "benchmarks": ("examples", "benchmarks"),
+    "benchmarks/tests": ("dev",),
     "tests": ("dev",),
 }
 
@@ -87,6 +89,8 @@ def test_every_third_party_import_is_declared():
     for folder, extras in EXTRAS.items():
         allowed = _allowed(extras)
         for path in sorted((REPO / folder).rglob("*.py")):
+            if max((f for f in EXTRAS if path.is_relative_to(REPO / f)), key=len) != folder:
+                continue
             for root in sorted(_imported_roots(path) - local - set(sys.stdlib_module_names)):
                 distributions = {_normalized(d) for d in providers.get(root, [])}
                 if not distributions & allowed:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["baseline", "qw", "qwd", "ulq", "tlq", "tlq_hs", "sdp4bit"]
 WEIGHT_4BIT, GRAD_8BIT, GRAD_4BIT = 4 + 32 / 2048, 8 + 32 / 128, 4 + 32 / 128
 EXPECTED_BITS = {  # fp32 training on CPU: uncompressed weights and gradients travel as 32 bits

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import lightning_sdp4bit.comm as comm
 from lightning_sdp4bit.topology import Topology
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))
 
 from emulation import Network, message_steps  # noqa: E402

@@ -25,7 +25,7 @@ from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import Topology
 from lightning_sdp4bit.weight_collectives import PlainWeightAllGather, QuantizedWeightAllGather
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from emulation import Network  # noqa: E402
 

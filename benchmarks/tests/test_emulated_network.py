@@ -36,7 +36,7 @@ import lightning_sdp4bit.comm as comm
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.topology import Topology
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))
 
 from emulation import Network  # noqa: E402

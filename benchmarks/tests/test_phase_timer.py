@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import phase_timer  # noqa: E402
 from emulated_tables import ddp_step_bound, step_bound  # noqa: E402

@@ -4,7 +4,7 @@ exist, and a "within x%" verdict says when its line is nearer than the noise."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accuracy_gpu_report import _verdicts  # noqa: E402
 
