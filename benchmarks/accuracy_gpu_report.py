@@ -102,7 +102,7 @@ def _finished(results: Path) -> dict[str, list[dict]]:
 
 
 def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float | None) -> list[str]:
-    """The paper's orderings (issue 23's targets), judged on the finished runs, or pending. A
+    """The paper's orderings, judged on the finished runs, or pending. A
     "within x% of baseline" verdict whose line lies closer to the measured value than the noise
     (the preset's seed spread or the data-order floor, whichever is wider) says so."""
 

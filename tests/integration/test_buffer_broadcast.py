@@ -1,5 +1,5 @@
-"""Module buffers under sdp4bit follow DDP's (issue 25, item 2; issue 27, item 5), on 2 CPU ranks,
-against DDPStrategy, the oracle, rank by rank:
+"""Module buffers under sdp4bit follow DDP's, on 2 CPU ranks, against DDPStrategy, the oracle,
+rank by rank:
 - Trainer: with compression off and fp32, every rank's buffers (BatchNorm1d's running mean,
   variance and batch count, and a custom buffer that forward updates) and weights equal DDP's
   on that rank, bit for bit, after a fit with gradient accumulation (DDP's no_sync schedule) and validation

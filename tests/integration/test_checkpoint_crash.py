@@ -1,4 +1,4 @@
-"""Crash safety of sharded checkpoints (issue 14, item 1):
+"""Crash safety of sharded checkpoints, on 2 ranks:
 - a file operation that fails at any step of a save, on either rank, leaves a complete
   checkpoint at the path the user named: the previous one until the commit, the new one from
   then on, never neither; it loads bit-exactly and trains on like the saved state; the save
@@ -8,7 +8,7 @@
   so does the strategy's remove_checkpoint;
 - SIGKILL of the whole job around a save's commit, under ModelCheckpoint(save_last=True): just
   before overwriting last.ckpt, just after the first save of last.ckpt committed inside
-  last.ckpt.partial, and just after the first save of a fresh top-k name (issue 26, item 2):
+  last.ckpt.partial, and just after the first save of a fresh top-k name:
   `fit(ckpt_path="last")` finds the old or the new checkpoint (never restarts from step 0),
   resumes bit for bit like a straight run, and leaves no staging directory or lock behind.
 """

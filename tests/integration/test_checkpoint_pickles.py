@@ -1,4 +1,4 @@
-"""A checkpoint cannot run code (issue 47, item 4), on 2 ranks:
+"""A checkpoint cannot run code, on 2 ranks:
 - a checkpoint directory with a planted pickle payload (a global that calls `builtins.exec` when
   unpickled) in meta.pt or in a shard, its manifest's checksums recomputed as an attacker can:
   `load_sharded` (same layout and resharded), `read_meta`, `consolidate_checkpoint`, the upgrade

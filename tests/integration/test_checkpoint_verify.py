@@ -1,4 +1,4 @@
-"""Damaged or misplaced shards are refused, naming the file (issue 14, item 2), on 2 ranks:
+"""Damaged or misplaced shards are refused, naming the file, on 2 ranks:
 - 16 flipped bytes in one shard, swapped shard files (also with their manifest records swapped,
   so that only the rank stored inside each shard tells), a truncated shard, a missing manifest,
   a missing meta.pt, one rank's failure to read, and a checkpoint of a different-width model:

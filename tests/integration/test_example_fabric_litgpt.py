@@ -39,7 +39,7 @@ def test_a_few_steps_train_and_save(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "no zero_grad() in between" not in result.stderr  # the loop calls it (issue 27)
+    assert "no zero_grad() in between" not in result.stderr  # the loop calls it
     losses = re.search(r"train loss ([\d.]+) -> ([\d.]+)", result.stdout)
     assert losses is not None, result.stdout
     assert float(losses.group(2)) < float(losses.group(1))

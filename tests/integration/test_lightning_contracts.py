@@ -1,5 +1,5 @@
-"""Lightning contracts of issue 27, against DDPStrategy on the same seed (2 CPU ranks, fp32; one
-set of processes for every case):
+"""What Lightning promises a LightningModule and its callbacks, kept under sdp4bit, against
+DDPStrategy on the same seed (2 CPU ranks, fp32; one set of processes for every case):
 - `p.grad = None` set in on_before_optimizer_step makes the optimizer skip that parameter that
   step, as under DDP (AdamW with weight decay shows the difference), bit for bit under baseline;
 - weights read in training_step outside a module's forward are the current ones, under the

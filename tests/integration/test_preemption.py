@@ -1,4 +1,4 @@
-"""SIGTERM, as SLURM and Kubernetes preempt a job (issue 25, item 1), on 2 CPU ranks:
+"""SIGTERM, as SLURM and Kubernetes preempt a job, on 2 CPU ranks:
 - in one pair of processes, one fit after another: SIGTERM to rank 0 or rank 1 at file
   operations of a save of `last.ckpt` (before its first write, before a shard's fsync, around
   the manifest's commit, after it) and in backward while bucket exchanges are in flight: both
@@ -7,8 +7,8 @@
   resumes from that step and ends bit for bit like a straight run. Lightning's own handler hung
   every rank here (it broadcasts from inside the signal handler);
 - as a user runs it, under Lightning's launcher (popen: rank 0 SIGTERMed between writing the new
-  manifest and renaming it into place, the instant the issue reported) and under torchrun
-  (rank 1 SIGTERMed before its shard's fsync): both processes exit (status 0, as Lightning's
+  manifest and renaming it into place) and under torchrun (rank 1 SIGTERMed before its shard's
+  fsync): both processes exit (status 0, as Lightning's
   SIGTERM exit) at the same step instead of hanging, and last.ckpt is complete.
 """
 

@@ -1,6 +1,6 @@
-"""The strategy's `timeout=` bounds a stalled rank (issue 26, item 1): a 2-rank job, one rank
-asleep in its third step, ends within the timeout plus a few seconds, with every process gone and
-the package's own error (`comm.CollectiveTimeoutError`, after the stall began) naming the rank that
+"""The strategy's `timeout=` bounds a stalled rank: a 2-rank job, one rank asleep in its third
+step, ends within the timeout plus a few seconds, with every process gone and the package's own
+error (`comm.CollectiveTimeoutError`, after the stall began) naming the rank that
 gave up, the collective and the timeout, gloo's error chained. gloo's own words depend on where the
 timeout struck ("Timed out waiting 10000ms ..." or, for the other operations in flight on the
 group, "Application timeout caused pair closure"), so the test reads the package's:
@@ -12,7 +12,8 @@ group, "Application timeout caused pair closure"), so the test reads the package
   stops the rank its launcher started (Lightning's child-process observer covers the other way
   round: a started rank that fails takes the launcher's process down);
 - torchrun, Trainer, rank 1 stalls: rank 0 times out and torchrun's agent stops rank 1.
-Before the fix the engine's process groups kept torch's 30-minute default: nothing failed.
+The engine's own process groups must take the strategy's timeout: under torch's 30-minute
+default nothing here would fail.
 """
 
 import os

@@ -6,7 +6,7 @@
   non-finite); baseline and sdp4bit;
 - "propagate" poisons exactly the weights DDP poisons (one Inf element: the same one weight, with
   and without clipping) under the uncompressed preset; under sdp4bit the element's qWD weight
-  group (2048 weights), and with clipping every weight (issue 26, item 3);
+  group (2048 weights), and with clipping every weight;
 - a branch unused on every rank on even steps gets grad None there, so AdamW skips it: the fp32
   baseline equals DDPStrategy(find_unused_parameters=True) bit for bit; so does a model that runs
   one block twice in each forward (its gradients are complete when their hooks fire);

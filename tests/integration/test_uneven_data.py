@@ -1,4 +1,4 @@
-"""Ranks whose training data end at different batches (issue 47, item 5), on 2 ranks with
+"""Ranks whose training data end at different batches, on 2 ranks with
 `use_distributed_sampler=False` and per-rank datasets of 6 and 3 batches:
 - every rank stops at the start of rank 1's last batch with an UnevenDataError that names rank 1,
   the step its data end at and rank 0's batches (before, rank 1 finished its fit and rank 0 failed

@@ -1,4 +1,4 @@
-"""A resume that changes something says so (issue 47, item 3), on 2 ranks:
+"""A resume that changes something says so, on 2 ranks:
 - an AdamW checkpoint loaded into an engine whose optimizer is SGD is refused, on every rank and
   with the engine untouched, naming both classes: with the layout it was saved with and
   resharded. An ordinary (consolidated) file names no class: it is refused naming the options

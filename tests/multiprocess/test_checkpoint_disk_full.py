@@ -1,7 +1,7 @@
-"""A full disk during a save (issue 26, item 6), on 2 ranks and a real full file system (a tmpfs
-too small for the shards; mounting needs root, as CI runs): the save raises one CheckpointError on
-every rank that says the disk is full (ENOSPC), names the file and gives the space left, instead
-of torch.save's "enforce fail ... unexpected pos"; the checkpoint committed before stays loadable."""
+"""A full disk during a save, on 2 ranks and a real full file system (a tmpfs too small for the
+shards; mounting needs root, as CI runs): the save raises one CheckpointError on every rank that
+says the disk is full (ENOSPC), names the file and gives the space left, instead of torch.save's
+"enforce fail ... unexpected pos"; the checkpoint committed before stays loadable."""
 
 import os
 import subprocess

@@ -1,10 +1,10 @@
-"""Checkpoints of earlier versions (issue 26, item 5), on 2 ranks. The two older on-disk formats are
-made from a current checkpoint exactly as those versions wrote them (read from commits fb00191
-and cbe2b83): sharded-v1 (meta.pt and the shards at the top, no manifest) and sharded-v2 with a
-CRC-32 manifest. Loading either raises one CheckpointError on every rank that names the format it
-found and gives the command that converts it; after `python -m lightning_sdp4bit.checkpoint.upgrade`
-both load bit for bit as the state that was saved. A damaged v1 shard is refused by the
-converter, which leaves the checkpoint as it was.
+"""Checkpoints of earlier versions, on 2 ranks. The two older on-disk formats are made from a
+current checkpoint exactly as those versions wrote them (read from commits fb00191 and cbe2b83):
+sharded-v1 (meta.pt and the shards at the top, no manifest) and sharded-v2 with a CRC-32 manifest.
+Loading either raises one CheckpointError on every rank that names the format it found and gives
+the command that converts it; after `python -m lightning_sdp4bit.checkpoint.upgrade` both load bit
+for bit as the state that was saved. A damaged v1 shard is refused by the converter, which leaves
+the checkpoint as it was.
 """
 
 import json

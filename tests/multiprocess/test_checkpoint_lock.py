@@ -1,4 +1,4 @@
-"""The writer lock `x.ckpt.lock` is never seen without its holder (issue 47, item 1):
+"""The writer lock `x.ckpt.lock` is never seen without its holder:
 - a writer SIGKILLed before or after any file operation of its lock's acquisition (a 1-rank save,
   and the upgrade tool; a fresh path, and a path whose lock a dead writer left) leaves nothing
   that blocks: the next save or upgrade of the path succeeds, warns naming the lock where it took

@@ -1,5 +1,4 @@
-"""One writer per checkpoint path, and readers that never see a committed checkpoint unreadable
-(issue 26, item 4):
+"""One writer per checkpoint path, and readers that never see a committed checkpoint unreadable:
 - a save to a path whose lock is held by a live process of this host, or by a process on another
   host, is refused at once on every rank with a CheckpointError naming the path and the holder
   (host, pid); nothing is written;

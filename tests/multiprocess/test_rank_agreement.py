@@ -1,5 +1,5 @@
-"""Ranks that build different models or configs are refused at setup, naming what differs
-(issue 47, item 5), on 2 ranks building a ShardedEngine each:
+"""Ranks that build different models or configs are refused at setup, naming what differs, on 2
+ranks building a ShardedEngine each:
 - a config field (weight_bits 4 and 8), a parameter's shape (width 32 and 48), its dtype (fp32
   and bf16), a parameter trained on rank 0 and frozen on rank 1, and one block more on rank 1:
   the ValueError, the same on both ranks, names the ranks and the first field or parameter that
