@@ -1,5 +1,6 @@
 """DDP against sdp4bit and its ablations on a real multi-host cluster: hosts in network namespaces
-joined by a shaped link (tests/support/namespace_cluster.py), one torchrun agent per host, gloo over TCP, on CPU.
+joined by a shaped link (tests/support/namespace_cluster.py), one torchrun agent per host, gloo over
+TCP, on CPU.
 
     python benchmarks/cluster.py --out benchmarks/results/cluster_cpu_<date>.md   # needs root and iproute2
     python benchmarks/cluster.py --topologies 2x1 --links 1gbit --steps 6         # one corner

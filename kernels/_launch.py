@@ -20,7 +20,7 @@ compile apart, or a kernel specialized for 16-byte-aligned pointers could run on
   same every step, so each bucket settles on one signature);
 - constexprs and compile options by value.
 
-tests/test_launch_gpu.py checks that split against the kernel Triton's own path picks for the
+tests/unit/test_launch_gpu.py checks that split against the kernel Triton's own path picks for the
 same arguments (its warmup run). Triton's path is taken
 every time where it must run: in the interpreter (no compiled kernel), and while a launch hook
 is set (a profiler such as Proton watches launches through it).

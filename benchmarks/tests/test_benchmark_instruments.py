@@ -1,5 +1,6 @@
 """The benchmarks a user runs, beyond those with tests of their own (emulated_network,
-link_bytes, strategies, the accuracy studies, cluster.py's harness in tests/cluster.py):
+link_bytes, strategies, the accuracy studies, cluster.py's harness in
+tests/support/namespace_cluster.py):
 - kernels.py, nccl_check.py and cluster.py start and print their usage (`--help`) on any machine;
 - on a CUDA machine, kernels.py times one op at 1 MiB and checks its bytes against the CPU
   reference ("exact" column: yes);

@@ -10,7 +10,7 @@ Checks:
   latency part is reported on its own;
 - the compute-only phase (infinite bandwidth) waits no latency, and latency 0 adds nothing;
 - emulated_network.py: --latency-us and a list of --bucket-numel sizes are parsed (refused by name
-  in tests/test_emulated_network.py); a dry run with two bucket sizes prints each engine row once
+  in test_emulated_network.py); a dry run with two bucket sizes prints each engine row once
   per size, the scenario's latency in its title, the latency part of each row's busy time (more
   buckets, more messages, more latency), and the DDP rows' latency for their 25 MiB buckets.
 """

@@ -7,7 +7,7 @@ on all of them, the same code as a real job's engine: only the construction diff
 exchanges are the real ones (the same ops, layout and seeds), and the simulated groups take
 their sums in rank order as gloo's are (`comm.sum_rows_into`), so a simulated job and a real
 gloo job of the same shape end with the same weights, masters and optimizer states, bit for
-bit (tests/test_simulation.py).
+bit (tests/multiprocess/test_simulation.py).
 
 One copy of the weights serves every rank: replicas are bit-identical under every preset (qWD
 applies the same all-gathered differences everywhere), so rank 0's weight exchange writes it;

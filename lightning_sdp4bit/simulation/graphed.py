@@ -4,7 +4,8 @@ A simulated job runs W small backward passes per step (one per rank's micro-batc
 micro-batches each is bound by the host's kernel launches, not by the GPU: for the 12 x 768 GPT
 at one sequence of 1024 tokens on the H200, 19.1 ms eager against 3.4 ms replayed from a graph
 (benchmarks/simulation_profile.py). A graph replays the very kernels the eager pass launches, so
-its gradients are the eager ones bit for bit (checked there, and in tests/test_simulation_gpu.py).
+its gradients are the eager ones bit for bit (checked there, and in
+tests/unit/test_simulation_gpu.py).
 
     step = GraphedBackward(lambda tokens: loss_of(model, tokens), example_tokens, params)
     loss, grads = step(tokens_of_rank)         # grads: static tensors, overwritten by the next call

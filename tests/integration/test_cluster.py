@@ -62,7 +62,8 @@ def _assert_replicas_identical(results: dict[int, dict]) -> None:
 
 # The 2 x 2 run is shared by two tests: it costs most of this file's time (4 Lightning processes
 # and 2 agents starting on 2 cores). One window repeated keeps the checkpoint test's resume exact
-# (see tests/test_strategy_checkpoint.py: Lightning does not replay a resumed epoch's data order).
+# (see tests/integration/test_strategy_checkpoint.py: Lightning does not replay a resumed epoch's
+# data order).
 MODULE = {"dataset_size": 1, "repeat": 32}
 STEPS = 3
 

@@ -1,4 +1,5 @@
-"""The training script that tests/test_cluster.py runs on every rank of a cluster (under torchrun).
+"""The training script that tests/integration/test_cluster.py runs on every rank of a cluster (under
+torchrun).
 
     python -m torch.distributed.run ... tests/support/cluster_worker.py '<json options>'
 

@@ -1,6 +1,7 @@
 """SIGTERM at a chosen instant of a Lightning fit, for the preemption tests: at a file operation
 of a save (through checkpoint_helpers.FileOps), or in backward while bucket exchanges are in
-flight. Used in-process by tests/test_preemption.py and by tests/support/preemption_script.py."""
+flight. Used in-process by tests/integration/test_preemption.py and by
+tests/support/preemption_script.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A training script that one rank SIGTERMs itself in, as a preemption would: run by
-tests/test_preemption.py under Lightning's own launcher (popen) and under torchrun.
+tests/integration/test_preemption.py under Lightning's own launcher (popen) and under torchrun.
 
     python tests/support/preemption_script.py '{"strategy": "sdp4bit", "directory": "...", "rank": 1,
                                         "save": 2, "at": "fsync"}'

@@ -1,6 +1,6 @@
-"""A 2-rank CPU job, started as a user would (`python tests/support/stall_job.py ...`, Lightning's popen
-launcher starts the second rank), in which one rank stalls: it sleeps in its third step, as a rank
-with a hung data loader would. The strategy's `timeout=` must end the job.
+"""A 2-rank CPU job, started as a user would (`python tests/support/stall_job.py ...`, Lightning's
+popen launcher starts the second rank), in which one rank stalls: it sleeps in its third step, as a
+rank with a hung data loader would. The strategy's `timeout=` must end the job.
 
     python tests/support/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
     torchrun --nproc-per-node 2 tests/support/stall_job.py trainer|fabric STALLED_RANK TIMEOUT_S
