@@ -25,9 +25,9 @@ a test's worker function by its module's name. The forkserver starts at the firs
 copies sys.path then, after collection has put every test folder on it (pytest's default
 `prepend` import mode), so test module names must be unique across all folders.
 
-The whole suite takes about 8.5 minutes on 2 CPU cores (measured from a fresh clone on
-2026-12-02: `make test` 563 s with the install, 496 s of tests), most of it in multi-process
-Lightning fits, the namespace cluster, the stall and preemption jobs and the checkpoint fault
-injection; the forkserver makes workers cheap, so nothing is marked slow."""
+The whole suite (tests/ and benchmarks/tests/) takes about 10 minutes on 2 CPU cores (`make test`
+after the install, 2026-12-04: 610 s), most of it in multi-process Lightning fits, the namespace
+cluster, the stall and preemption jobs and the checkpoint fault injection; the forkserver makes
+workers cheap, so nothing is marked slow."""
 
 pytest_plugins = ["suite"]
