@@ -116,7 +116,6 @@ class BucketSchedule:
         self._start_grads, self._start_weights = start_grads, start_weights
         self._on_weights_current = on_weights_current
         self.grad_phase = [GradPhase.ACCUMULATING] * count
-        self.weight_phase = [WeightPhase.CURRENT] * count
         self._next_launch = 0  # the next bucket whose gradient exchange may start
         self._reduced = 0  # buckets in REDUCED
         self._grads: dict[int, Pending] = {}
@@ -199,6 +198,12 @@ class BucketSchedule:
     # Weights
 
     @property
+    def weight_phase(self) -> list[WeightPhase]:
+        """Each bucket's weight phase, read off the exchanges due or in flight."""
+        exchanging = set(self.exchanging_weights())
+        return [WeightPhase.EXCHANGING if i in exchanging else WeightPhase.CURRENT for i in range(self.count)]
+
+    @property
     def weights_current(self) -> bool:
         return not self._weights and not self._weights_due
 
@@ -207,8 +212,6 @@ class BucketSchedule:
         (the last bucket) first, all at once or `weight_prefetch` ahead of the waits."""
         self.wait_weights()
         self._weights_due = list(reversed(range(self.count)))
-        for index in self._weights_due:
-            self.weight_phase[index] = WeightPhase.EXCHANGING
         self._launch_due(self.count if self._prefetch is None else self._prefetch)
 
     def _launch_due(self, count: int) -> None:
@@ -234,7 +237,6 @@ class BucketSchedule:
             for index in order[: max(order.index(i) for i in wanted) + 1]:
                 with self._timeouts.named("weight all-gather", index), record_function("sdp4bit::weight_exchange_wait"):
                     self._weights.pop(index).wait()
-                self.weight_phase[index] = WeightPhase.CURRENT
                 self._on_weights_current(index)
         self.poll_weights()
 
