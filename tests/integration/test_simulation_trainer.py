@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from distributed import run_workers
+from distributed import as_one_worker, run_workers
 from lightning_runs import TRAINER_DEFAULTS, make_trainer
 from models import TinyLMModule
 
@@ -126,12 +126,8 @@ def _simulated(nodes, ranks_per_node):
 def test_trainer_simulation_matches_the_real_job_on_every_rank(nodes, ranks_per_node):
     world = nodes * ranks_per_node
     real = run_workers(_real, world, ranks_per_node)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each worker: a matmul's bits may depend on the thread count
-    try:
+    with as_one_worker():
         simulated = _simulated(nodes, ranks_per_node)
-    finally:
-        torch.set_num_threads(threads)
     for rank in range(world):
         mine, theirs = simulated[rank], real[rank]
         assert len(theirs["records"]) == 8 and {r[:2] for r in theirs["records"]} == {(rank, world)}

@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 import torch
-from distributed import run_workers
+from distributed import as_one_worker, run_workers
 from models import batch, make_model
 
 from lightning_sdp4bit import SDP4BitConfig
@@ -120,9 +120,7 @@ def _assert_same(simulated, real, where):
 def test_simulation_matches_the_real_job_bit_for_bit(nodes, ranks_per_node):
     world = nodes * ranks_per_node
     real = run_workers(_real_job, world, ranks_per_node)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each worker: a matmul's bits may depend on the thread count
-    try:
+    with as_one_worker():
         for preset in PRESETS:
             engine, simulated = _simulate(preset, nodes, ranks_per_node)
             for rank in range(world):
@@ -130,8 +128,6 @@ def test_simulation_matches_the_real_job_bit_for_bit(nodes, ranks_per_node):
         # The comparison sees a difference: another rounding seed moves the compressed job.
         _, reseeded = _simulate("sdp4bit", nodes, ranks_per_node, seed=1)
         assert not torch.equal(reseeded[0]["masters"][0], real[0]["sdp4bit"]["masters"][0])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_simulated_groups_refuse_what_one_process_cannot_do():

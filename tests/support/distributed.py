@@ -8,12 +8,13 @@ name). A worker's exception is re-raised in the test with its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -76,3 +77,15 @@ def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
             if process.is_alive():
                 process.kill()
     return [results[rank] for rank in range(world_size)]
+
+
+@contextlib.contextmanager
+def as_one_worker() -> Iterator[None]:
+    """Within the block this process computes with one thread, as each worker does: a matmul's
+    bits may depend on the thread count, so a simulation compared with the workers runs so too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
