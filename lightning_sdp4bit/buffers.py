@@ -9,7 +9,9 @@ quantization groups. Rank r owns elements [r*S, (r+1)*S) of every bucket: its **
 one parameter that falls inside one rank's shard; the optimizer steps fragments.
 
 Per bucket (N = W * S elements):
-- model weights: [N] in the module's dtype; the parameters are views into it;
+- model weights: [N] in the module's dtype; the parameters are views into it. With
+  weight_sharding="node" they exist only while gathered, and the rank keeps its node slice
+  [M, S] in between (`node_shards`);
 - window gradients: [N], what one optimizer step reduce-scatters. In the module's dtype when one
   backward gives each gradient (as DDP's buckets), in fp32 when micro-batches are summed. They
   exist from the bucket's first gradient of a window until its exchange takes them (in the
@@ -212,7 +214,12 @@ class Bucket:
         self.rank = rank
         self.weights = weights
         self.params = list(params)
-        device = weights.device
+        self.dtype = weights.dtype
+        self.device = device = weights.device
+        # weight_sharding="node" (`node_shards`): the rows of the bucket this rank keeps, [M, S],
+        # and which of them is its own shard; None in the replicated mode.
+        self.node_slice: Tensor | None = None
+        self.own_row = rank  # this rank's row of `held_weights` viewed [rows, S]
         self.grads: Tensor | None = None  # the window gradients [N], see receive_grad
         self.received: set[int] = set()  # positions that got a gradient this window
         self.held: dict[int, Tensor] = {}  # position -> gradient not yet in `grads`, in arrival order; see hold_grad
@@ -226,8 +233,53 @@ class Bucket:
 
     @property
     def weight_shard(self) -> Tensor:
+        """This rank's shard of the weights [S]: a view of the weights, or of the node slice."""
+        if self.node_slice is not None:
+            return self.node_slice[self.own_row]
         lo, hi = self.layout.shard_bounds(self.rank)
         return self.weights[lo:hi]
+
+    @property
+    def held_weights(self) -> Tensor:
+        """The weights this rank keeps between uses, which the weight exchange writes: all of them
+        [N], or the node slice [M * S] (`node_shards`)."""
+        return self.weights if self.node_slice is None else self.node_slice.view(-1)
+
+    def held_pieces(self) -> list[tuple[int, Tensor]]:
+        """(position, values) of every parameter piece in `held_weights`: each parameter whole, or
+        the fragments of the node slice's rows."""
+        if self.node_slice is None:
+            return [(p, self.weights[s.start : s.start + s.numel]) for p, s in enumerate(self.layout.slots)]
+        position = {slot.name: p for p, slot in enumerate(self.layout.slots)}
+        local_ranks = self.layout.world_size // len(self.node_slice)
+        local = self.rank % local_ranks
+        return [
+            (position[frag.name], row[frag.shard_start : frag.shard_start + frag.numel])
+            for node, row in enumerate(self.node_slice)
+            for frag in self.layout.fragments(node * local_ranks + local)
+        ]
+
+    def hold_node_slice(self, nodes: int, local_ranks: int, rows: Tensor | None = None) -> None:
+        """Keep rows rank % L, L + rank % L, ... of the (full) weights as the node slice [M, S]
+        (or `rows`, those rows built elsewhere: `materialize`)."""
+        if rows is None:
+            rows = self.weights.view(nodes, local_ranks, -1)[:, self.rank % local_ranks].clone()
+        self.node_slice = rows
+        self.own_row = self.rank // local_ranks
+        self._nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+
+    def attach_weights(self, full: Tensor) -> None:
+        """Make `full` [N] the weights, and the parameters views of it."""
+        self.weights = full
+        for slot, param in zip(self.layout.slots, self.params, strict=True):
+            param.data = full[slot.start : slot.start + slot.numel].view(slot.shape)
+
+    def detach_weights(self) -> None:
+        """Let the full weights go: the weights and parameters become NaN of their shapes (one
+        element, expanded), so that a read the engine did not see shows as NaN."""
+        self.weights = self._nan.expand(self.layout.numel)
+        for slot, param in zip(self.layout.slots, self.params, strict=True):
+            param.data = self._nan.expand(slot.shape)
 
     def receive_grad(self, position: int, grad: Tensor, accumulating: bool) -> None:
         """Put parameter `position`'s gradient into the window gradients: copied on its first
@@ -248,8 +300,8 @@ class Bucket:
             view.add_(grad)
 
     def _make_grads(self, accumulating: bool) -> Tensor:
-        dtype = torch.float32 if accumulating else self.weights.dtype
-        self.grads = torch.empty(self.layout.numel, dtype=dtype, device=self.weights.device)
+        dtype = torch.float32 if accumulating else self.dtype
+        self.grads = torch.empty(self.layout.numel, dtype=dtype, device=self.device)
         self.grads[self.layout.used_numel :].zero_()  # the padding
         return self.grads
 
@@ -322,7 +374,7 @@ class Bucket:
         self._receive_held()
         grads = self.grads
         if grads is None:
-            grads = torch.zeros(self.layout.numel, dtype=self.weights.dtype, device=self.weights.device)
+            grads = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
         else:
             for position, slot in enumerate(self.layout.slots):
                 if position not in self.received:
@@ -344,8 +396,11 @@ class Bucket:
         self.held = {}
 
 
-def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Parameter], rank: int) -> list[Bucket]:
-    """Copy the parameters into one flat weight buffer per dtype and make them views into it.
+def allocate_buckets(
+    layouts: Sequence[BucketLayout], params: dict[str, nn.Parameter], rank: int, separate: bool = False
+) -> list[Bucket]:
+    """Copy the parameters into one flat weight buffer per dtype and make them views into it
+    (`separate`: one buffer per bucket, which `node_shards` lets go bucket by bucket).
 
     The parameters keep their identity (optimizers and user code that hold them still work);
     only their storage moves, and with it their memory layout: each becomes a contiguous view of
@@ -359,10 +414,13 @@ def allocate_buckets(layouts: Sequence[BucketLayout], params: dict[str, nn.Param
         by_dtype.setdefault(layout.dtype, []).append(layout)
     for dtype, group in by_dtype.items():
         device = params[group[0].slots[0].name].device
-        flat = torch.zeros(sum(b.numel for b in group), dtype=dtype, device=device)
+        flat = None if separate else torch.zeros(sum(b.numel for b in group), dtype=dtype, device=device)
         offset = 0
         for layout in group:
-            weights = flat[offset : offset + layout.numel]
+            if flat is None:
+                weights = torch.zeros(layout.numel, dtype=dtype, device=device)
+            else:
+                weights = flat[offset : offset + layout.numel]
             offset += layout.numel
             bucket_params = []
             for slot in layout.slots:

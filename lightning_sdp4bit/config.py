@@ -25,6 +25,7 @@ __all__ = [
     "Rounding",
     "SDP4BitConfig",
     "WeightQuant",
+    "WeightSharding",
     "PRESETS",
     "auto_bucket_numel",
     "load_yaml",
@@ -61,6 +62,13 @@ class NonFinite(str, Enum):
     # step anyway: uncompressed, the weights DDP would poison become non-finite; compressed, each
     # poisoned element's whole weight group (with clipping, every weight)
     PROPAGATE = "propagate"
+
+
+class WeightSharding(str, Enum):
+    """Where the model weights (in the module's dtype) live between the forwards that use them."""
+
+    REPLICATED = "replicated"  # every rank holds all of them (ZeRO-1, as the paper's Megatron code)
+    NODE = "node"  # each rank holds 1/L, its node's share: a layer's are gathered inside the node for its use
 
 
 ALLOWED_BITS = (2, 4, 8)
@@ -190,6 +198,13 @@ class SDP4BitConfig:
     any registered buffer), on DDP's schedule, as DDP's `broadcast_buffers=True` (its default);
     false: each rank keeps its own, as DDP's `broadcast_buffers=False`."""
 
+    weight_sharding: WeightSharding = WeightSharding.REPLICATED
+    """"replicated": every rank holds the full weights in the module's dtype. "node": each rank
+    holds its node's 1/L of them (L ranks per node, at least 2); a module's weights are gathered
+    inside the node, losslessly, before its forward and again before its backward, and released
+    after each. The numerics are the same bit for bit; the guide's "Models that do not fit
+    replicated" says what it costs and what it refuses."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_quant", coerce_enum("weight_quant", self.weight_quant, WeightQuant))
         object.__setattr__(self, "grad_quant", coerce_enum("grad_quant", self.grad_quant, GradQuant))
@@ -211,6 +226,8 @@ class SDP4BitConfig:
             if self.ranks_per_node < 1:
                 raise ValueError(f"ranks_per_node must be None or a positive integer, got {self.ranks_per_node!r}")
         object.__setattr__(self, "nonfinite", coerce_enum("nonfinite", self.nonfinite, NonFinite))
+        sharding = coerce_enum("weight_sharding", self.weight_sharding, WeightSharding)
+        object.__setattr__(self, "weight_sharding", sharding)
         if self.bucket_numel is not None:
             _check_int("bucket_numel", self.bucket_numel)
             if self.bucket_numel < 1:
@@ -243,11 +260,16 @@ class SDP4BitConfig:
     def compresses_grads(self) -> bool:
         return self.grad_quant is not GradQuant.NONE
 
+    @property
+    def shards_weights(self) -> bool:
+        return self.weight_sharding is WeightSharding.NODE
+
     def resolve_ranks_per_node(self, world_size: int, local_world_size: int | None = None) -> int:
         """The node size for the two-level all-to-all, checked against `world_size`.
 
         `local_world_size` is the launcher's ranks per host (LOCAL_WORLD_SIZE); it is used when
-        `ranks_per_node` is None. Raises a ValueError when the result does not divide the world.
+        `ranks_per_node` is None. Raises a ValueError when the result does not divide the world,
+        or is 1 with the weights sharded inside the node.
         """
         if self.ranks_per_node is not None:
             ranks_per_node, source = self.ranks_per_node, "ranks_per_node"
@@ -259,6 +281,11 @@ class SDP4BitConfig:
             raise ValueError(
                 f"{source}={ranks_per_node} must divide the world size {world_size}: every node needs "
                 "the same number of ranks for the two-level all-to-all"
+            )
+        if self.shards_weights and ranks_per_node == 1:
+            raise ValueError(
+                f"weight_sharding='node' needs at least 2 ranks per node, got {source}={ranks_per_node}: with one "
+                "rank per node each rank would hold the whole model anyway (use weight_sharding='replicated')"
             )
         return ranks_per_node
 

@@ -52,6 +52,13 @@ from lightning_sdp4bit.guards import (
     stop_if_skipping_cannot_recover,
     unfrozen_since_start,
 )
+from lightning_sdp4bit.materialize import (
+    broadcast_untrained,
+    broadcast_weights,
+    engine_device,
+    is_on_meta,
+    materialize_node_slices,
+)
 from lightning_sdp4bit.module_hooks import CompiledRegionWatch, register_hooks
 from lightning_sdp4bit.optim import replica_optimizer, shard_optimizer, step_replica
 from lightning_sdp4bit.param_grads import gradients_on_parameters
@@ -93,15 +100,22 @@ class ShardedEngine:
         groups: ProcessGroups,
         meter: WireMeter | None = None,
         manual: bool = False,
+        device: torch.device | None = None,
     ):
         named = trained_parameters(module)
         layouts = bucket_layouts(named, config, topology.world_size)
         timeouts = comm.Timeouts(topology.rank, groups.timeout)
-        device = named[0][1].device
+        on_meta = is_on_meta(module)
+        device = engine_device(named[0][1], device, on_meta, config)
         check_ranks_agree(layouts, config, topology.world_size, groups.world, timeouts, device)
         with torch.no_grad():
-            buckets = allocate_buckets(layouts, dict(named), topology.rank)
-            _broadcast_from_rank_zero(module, buckets, groups, timeouts)
+            if on_meta:  # each rank builds only its node slices; every rank initialized alike
+                names = {id(param): name for name, param in named}
+                buckets = materialize_node_slices(module, layouts, names, topology, groups, timeouts, device)
+            else:
+                buckets = allocate_buckets(layouts, dict(named), topology.rank, separate=config.shards_weights)
+                broadcast_weights(buckets, groups, timeouts)
+            broadcast_untrained(module, groups, timeouts)
             for bucket in buckets:
                 bucket.master.copy_(bucket.weight_shard)
         rank = ShardedRank(
@@ -118,7 +132,9 @@ class ShardedEngine:
         self._attach(module, config, [rank], buffers, manual=manual)
         self.weights_loaded()  # rank 0's weights, broadcast: no exchange has left the applied shards
         self._hooks = register_hooks(self)
-        self._compile_watch = CompiledRegionWatch(module)
+        self._compile_watch = CompiledRegionWatch(module, refuse=config.shards_weights)
+        if rank.node_shards is not None:
+            rank.node_shards.guard.open()  # from here on a read of a released parameter gathers it
 
     def _attach(
         self, module: nn.Module, config: SDP4BitConfig, ranks: list[ShardedRank], buffers: BufferRule, manual: bool
@@ -191,6 +207,8 @@ class ShardedEngine:
         buffers reach every rank if DDP would broadcast them now. Collective when it does."""
         with record_function("sdp4bit::pre_forward"):
             self._buffers.before_forward()
+            if self.primary.node_shards is not None:
+                self.primary.node_shards.before_forward()
 
     def post_forward(self) -> None:
         self._buffers.after_forward(grad_sync=not self._no_sync)
@@ -222,6 +240,8 @@ class ShardedEngine:
             rank.access.before_backward(rank.schedule.exchanging_weights())
             rank.wait_weights()
             rank.open_before_backward()
+            if rank.node_shards is not None:
+                rank.node_shards.before_backward()
             self.check_trained_set()
 
     def on_grad_ready(self, index: int, position: int) -> None:
@@ -230,6 +250,8 @@ class ShardedEngine:
         assert param.grad is not None  # the hook runs once the gradient is accumulated
         self._current.receive(index, position, param.grad, synced=self._reduces_in_backward)
         param.grad = None
+        if self._current.node_shards is not None:
+            self._current.node_shards.grad_arrived(index)
 
     def receive_grads(self, grads: list[Tensor | None] | None = None) -> None:
         """The running rank's backward is done, for a driver that runs several ranks' backward
@@ -246,6 +268,8 @@ class ShardedEngine:
     def post_backward(self) -> None:
         """After the backward of every rank this engine runs: in the synced backward (outside
         `no_sync`, automatic optimization) the exchanges finish and the step is decided."""
+        for rank in self.ranks:
+            rank.release_weights()  # no backward needs them any more
         if self._reduces_in_backward:
             self._reduce()
 
@@ -329,7 +353,8 @@ class ShardedEngine:
                 # Compiled forwards then find nothing in flight (no Work.wait traced); manual
                 # optimization's training_step goes on after the step and may touch any weight.
                 self.wait_weights()
-            self.primary.access.open_guard(self.primary.schedule.exchanging_weights())
+            if self.primary.node_shards is None:  # else a gather waits for the bucket's exchange
+                self.primary.access.open_guard(self.primary.schedule.exchanging_weights())
             stats = [rank.end_step() for rank in self.ranks][0]
             stop_if_skipping_cannot_recover(self.ranks, self.config, self.trained_names)
             return stats
@@ -388,17 +413,26 @@ class ShardedEngine:
         self.wait_weights()
         with torch.no_grad():
             for rank in self.ranks:
+                rank.release_weights()  # writes to gathered weights are in the node slices now
                 for index, bucket in enumerate(rank.buckets):
                     bucket.applied_shard.copy_(bucket.weight_shard)
                     rank.access.landed(index)
 
     def gather_weight_shards(self) -> None:
-        """Make every rank's weights the concatenation of the ranks' own weight shards (after a
-        checkpoint restored each rank's slice of the replicas). Collective."""
+        """Make every rank's weights (its node slices, with the weights sharded inside the node) the
+        ranks' own weight shards, gathered (after a checkpoint restored each rank's shard). Collective."""
+        shards = self.primary.node_shards
+        group = self.groups.world if shards is None else self.groups.inter  # into the weights, or the node slices
+        if shards is not None:
+            shards.release(range(len(self.buckets)), keep=False)  # a gathered copy would be the old weights
         with torch.no_grad():
             for bucket in self.buckets:
+                own = bucket.weight_shard.clone()
                 with self.timeouts.named("weight-shard all-gather", bucket.layout.index):
-                    comm.all_gather(bucket.weights, bucket.weight_shard.clone(), group=self.groups.world)
+                    if group is None:  # one node: the node slice is this rank's shard
+                        bucket.held_weights.copy_(own)
+                    else:
+                        comm.all_gather(bucket.held_weights, own, group=group)
         self.weights_loaded()
 
     @contextmanager
@@ -421,20 +455,10 @@ class ShardedEngine:
         for rank in self.ranks:
             rank.access.close()
         self.wait_weights()
+        if self.primary.node_shards is not None:
+            self.primary.node_shards.close()  # the module whole again where it fits on the device
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         if self._compile_watch is not None:
             self._compile_watch.close()
-
-
-def _broadcast_from_rank_zero(module: nn.Module, buckets: list[Bucket], groups: ProcessGroups, timeouts) -> None:
-    """Start every rank from rank 0's weights, frozen parameters and buffers, as DDP does."""
-    with timeouts.named("the broadcast of rank 0's weights, frozen parameters and buffers"):
-        for bucket in buckets:
-            comm.broadcast(bucket.weights, src=0, group=groups.world)
-        for p in module.parameters():
-            if not p.requires_grad:
-                comm.broadcast(p.data, src=0, group=groups.world)
-        for buffer in module.buffers():
-            comm.broadcast(buffer, src=0, group=groups.world)

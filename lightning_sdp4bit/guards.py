@@ -135,21 +135,23 @@ class NonFiniteStateError(FloatingPointError):
 
 def finite_flags(fragments: Iterable[Any], buckets: Iterable[Any], world: int, rank: int, params: int) -> Tensor:
     """[world, 2, params] int32 on the host, zero but for row `rank`: per trained parameter
-    (bucket order), 1 where its masters on this rank (column 0) or its weights in this rank's
-    replica (column 1) hold an Inf or NaN. One host synchronisation; for a sum over the ranks."""
+    (bucket order), 1 where its masters on this rank (column 0) or the weights this rank holds
+    (column 1: its replica, or its node slice) hold an Inf or NaN. One host synchronisation; for
+    a sum over the ranks."""
     checks, where = [], []
     for record in fragments:
         checks.append(torch.isfinite(record.master).all())
         where.append((0, record.param_index))
     offset = 0
     for bucket in buckets:
-        for position, slot in enumerate(bucket.layout.slots):
-            checks.append(torch.isfinite(bucket.weights[slot.start : slot.start + slot.numel]).all())
+        for position, values in bucket.held_pieces():
+            checks.append(torch.isfinite(values).all())
             where.append((1, offset + position))
         offset += len(bucket.layout.slots)
     flags = torch.zeros(world, 2, params, dtype=torch.int32)
     for (kind, index), finite in zip(where, torch.stack(checks).tolist(), strict=True):
-        flags[rank, kind, index] = int(not finite)
+        if not finite:  # a node slice holds a parameter in several pieces: any one flags it
+            flags[rank, kind, index] = 1
     return flags
 
 

@@ -3,7 +3,9 @@
 - A post-accumulate-grad hook per trained parameter: its gradient is complete, so the engine
   puts it into the bucket's window gradients and may start the bucket's exchange.
 - A forward pre-hook per module that owns trained parameters: the engine completes the weight
-  all-gathers of that module's buckets just before its forward reads them.
+  all-gathers of that module's buckets just before its forward reads them (with the weights
+  sharded inside the node, gathers them; a forward hook then says the module is done,
+  `node_shards`).
 - `CompiledRegionWatch`: learns whether those pre-hooks run inside torch.compile-d code.
 
 Hooks are small classes, not closures, so that they pickle and read well. A deep copy of the
@@ -12,6 +14,7 @@ module (an EMA or SWA average, say) is no replica: its forward pre-hooks become 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,10 +34,15 @@ def register_hooks(engine: ShardedEngine) -> list[Any]:
             hook = _GradReadyHook(engine, bucket.layout.index, position)
             handles.append(param.register_post_accumulate_grad_hook(hook))
     bucket_of = {id(p): b.layout.index for b in engine.buckets for p in b.params}
+    shards = engine.primary.node_shards
     for module in engine.module.modules():
         indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
-        if indices:
-            handles.append(module.register_forward_pre_hook(_WeightWaitHook(engine, indices)))
+        if not indices:
+            continue
+        handles.append(module.register_forward_pre_hook(_WeightWaitHook(engine, indices)))
+        if shards is not None:
+            shards.add_user(module, indices)
+            handles.append(module.register_forward_hook(_ReleaseHook(shards.after_module_forward, indices)))
     return handles
 
 
@@ -49,20 +57,38 @@ class _GradReadyHook:
 
 
 class _WeightWaitHook:
-    """Forward pre-hook: wait for the buckets holding this module's own parameters."""
+    """Forward pre-hook: wait for the buckets holding this module's own parameters (with the
+    weights sharded inside the node, gather them)."""
 
     def __init__(self, engine: ShardedEngine, indices: list[int]):
         self.engine, self.indices = engine, indices
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.engine.wait_weights(self.indices)
+        shards = self.engine.primary.node_shards
+        if shards is None:
+            self.engine.wait_weights(self.indices)
+        else:
+            shards.gather(self.indices)
+
+    def __deepcopy__(self, memo: dict) -> _InertHook:
+        return _InertHook()
+
+
+class _ReleaseHook:
+    """Forward hook (weights sharded inside the node): this module's forward is done."""
+
+    def __init__(self, done: Callable[[nn.Module, list[int], Any], None], indices: list[int]):
+        self.done, self.indices = done, indices
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.done(module, self.indices, output)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:
         return _InertHook()
 
 
 class _InertHook:
-    def __call__(self, module: nn.Module, args: tuple) -> None:
+    def __call__(self, module: nn.Module, *args: Any) -> None:
         return None
 
 
@@ -78,8 +104,9 @@ class CompiledRegionWatch:
     forward on, and the engine's `post_optimizer_step` then completes the all-gathers at once.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, refuse: bool = False):
         self.seen = False
+        self._refuse = refuse  # weight_sharding="node": not under compile (yet); say so at trace time
         self._handles = [
             m.register_forward_pre_hook(self._hook)
             for m in module.modules()
@@ -88,6 +115,12 @@ class CompiledRegionWatch:
 
     def _hook(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
+            if self._refuse:
+                raise RuntimeError(
+                    'sdp4bit: weight_sharding="node" does not run under torch.compile yet (its gathers and '
+                    "releases swap the parameters' storage between forwards, which a compiled graph would not "
+                    'see): train this module eagerly, or with weight_sharding="replicated"'
+                )
             self.seen = True
 
     def close(self) -> None:

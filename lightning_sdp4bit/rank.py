@@ -41,6 +41,7 @@ from lightning_sdp4bit.guards import (
     start_sum,
     start_verdict,
 )
+from lightning_sdp4bit.node_shards import NodeShards
 from lightning_sdp4bit.schedule import BucketSchedule, GradPhase, WindowPhase
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
@@ -106,6 +107,12 @@ class ShardedRank:
         self.weight_collectives = [weight_collective_for(b, config, topology, groups, meter, stream) for b in buckets]
         # Reads and writes of the weights outside the engine's hooks (`lightning_sdp4bit.weight_access`).
         self.access = WeightAccess(buckets, topology.rank, self.wait_weights)
+        # weight_sharding="node": the node slices and which buckets are gathered (`node_shards`).
+        self.node_shards = (
+            NodeShards(buckets, topology, groups, self.timeouts, meter, self.wait_weights)
+            if config.shards_weights
+            else None
+        )
         self.schedule = BucketSchedule(
             len(buckets),
             self._start_grad_exchange,
@@ -295,9 +302,16 @@ class ShardedRank:
 
     def absorb_weight_edits(self) -> None:
         """Copy writes to the model weights made since the last exchange (a clamp in a hook, an
-        average copied in) into the fp32 masters (`WeightAccess.absorb`)."""
+        average copied in) into the fp32 masters (`WeightAccess.absorb`); with the weights
+        sharded inside the node, from the node slices, into which releasing puts them."""
         self.wait_weights()
+        self.release_weights()
         self.access.absorb()
+
+    def release_weights(self) -> None:
+        """weight_sharding="node": let every gathered bucket go (its rows kept in the node slice)."""
+        if self.node_shards is not None:
+            self.node_shards.release_all()
 
     def arm(self) -> None:
         """Apply the verdict to this rank's optimizers and fragments, once per reduction (a second
@@ -322,6 +336,7 @@ class ShardedRank:
         """After the optimizer step: start every bucket's weight exchange, unless the host skipped
         the step (no master changed). Returns whether they were started."""
         started = self.window is not WindowPhase.SKIPPING
+        self.release_weights()  # the exchange writes the node slices: no gathered copy may outlive it
         if started:
             with torch.no_grad():
                 self.schedule.start_weights()

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 __all__ = ["KINDS", "WireMeter"]
 
-KINDS = ("weight", "weight_intra", "grad_intra", "grad_inter", "grad_reduce_scatter")
+KINDS = ("weight", "weight_intra", "weight_gather", "grad_intra", "grad_inter", "grad_reduce_scatter")
 
 
 class WireMeter:

@@ -43,13 +43,13 @@ from lightning_sdp4bit import ops
 if TYPE_CHECKING:
     from lightning_sdp4bit.buffers import Bucket
 
-__all__ = ["DataWriteTracker", "ReadGuard", "WeightAccess"]
+__all__ = ["DataWriteTracker", "ReadGuard", "StackedMode", "WeightAccess"]
 
 # What `p.data` calls (equal, not identical, each time); a getset descriptor, not a Tensor.
 _DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
 
 
-class _StackedMode(TorchFunctionMode):
+class StackedMode(TorchFunctionMode):
     """A mode pushed and popped by calls rather than a `with` block (the guard spans the user's
     loop from one optimizer step to the next backward). It pops only when it is on top of torch's
     mode stack; under a mode the user pushed since, it stays, inert, and is used again."""
@@ -73,7 +73,7 @@ class _StackedMode(TorchFunctionMode):
             self._pushed = False
 
 
-class ReadGuard(_StackedMode):
+class ReadGuard(StackedMode):
     """Waits for a parameter's bucket before any torch operation that touches the parameter."""
 
     def __init__(self, wait: Callable[[int], None]):

@@ -43,8 +43,16 @@ class _RowGather:
     The rows, and so every bit of the weights, are the same.
     """
 
-    def __init__(self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None):
+    def __init__(
+        self,
+        topology: Topology,
+        groups: ProcessGroups,
+        meter: WireMeter,
+        stream: torch.cuda.Stream | None,
+        across_nodes_only: bool = False,
+    ):
         self.topology, self.groups, self.meter, self.stream = topology, groups, meter, stream
+        self.across_nodes_only = across_nodes_only
 
     def start(
         self,
@@ -62,6 +70,8 @@ class _RowGather:
         they land, [L, M, R] (rank m * L + l's row at l * M + m), and `nodes` is M; otherwise they
         are in rank order and `nodes` is 1: the layout as `ops.weight_update_apply` takes it."""
         self.meter.record("weight", row.nbytes, elements, uncompressed)
+        if self.across_nodes_only:
+            return self._across_nodes(rows, row, finish)
         if self.topology.two_level:
             # Counted now, with the step that sends it, although on the CPU it goes out later.
             nodes = self.topology.nodes
@@ -70,6 +80,18 @@ class _RowGather:
         work = comm.all_gather(rows.view(-1), row, group=self.groups.world, async_op=True)
         in_rank_order = None if finish is None else functools.partial(finish, 1)
         return SingleStage(work, in_rank_order, keepalive=row)
+
+    def _across_nodes(self, rows: torch.Tensor, row: torch.Tensor, finish: Callable[[int], None] | None) -> Pending:
+        """weight_sharding="node": only the rows of this rank's local index, [M, R] in node order,
+        the node slice's (`node_shards`); with one node, its own row alone."""
+        in_node_order = None if finish is None else functools.partial(finish, 1)
+        if not self.topology.has_inter_stage:
+            rows.view(-1).copy_(row)
+            if in_node_order is not None:
+                in_node_order()
+            return SingleStage(None)
+        work = comm.all_gather(rows.view(-1), row, group=self.groups.inter, async_op=True)
+        return SingleStage(work, in_node_order, keepalive=row)
 
 
 class _TwoLevelGather(TwoStage):
@@ -152,9 +174,14 @@ class PlainWeightAllGather:
     own shard of the weights, byte for byte."""
 
     def __init__(
-        self, topology: Topology, groups: ProcessGroups, meter: WireMeter, stream: torch.cuda.Stream | None = None
+        self,
+        topology: Topology,
+        groups: ProcessGroups,
+        meter: WireMeter,
+        stream: torch.cuda.Stream | None = None,
+        across_nodes_only: bool = False,
     ):
-        self._gather = _RowGather(topology, groups, meter, stream)
+        self._gather = _RowGather(topology, groups, meter, stream, across_nodes_only)
 
     def start(self, bucket: Bucket, step: int) -> Pending:
         # The applied shard, not a view of the weights (the input must not alias the output),
@@ -163,7 +190,7 @@ class PlainWeightAllGather:
         # each after waiting for the weights; `absorb` reads it only after that wait too, so it
         # never compares the new applied shard with the old weights.
         source = bucket.applied_shard.copy_(bucket.master)  # rounded to the weights' dtype as `.to` rounds
-        rows = bucket.weights.view(bucket.layout.world_size, -1)
+        rows = bucket.held_weights.view(-1, bucket.layout.shard_numel)
         return self._gather.start(rows, source, source.numel(), source.nbytes)
 
 
@@ -181,9 +208,10 @@ class QuantizedWeightAllGather:
         meter: WireMeter,
         additive: bool,
         stream: torch.cuda.Stream | None = None,
+        across_nodes_only: bool = False,
     ):
         self.config, self._additive = config, additive
-        self._gather = _RowGather(topology, groups, meter, stream)
+        self._gather = _RowGather(topology, groups, meter, stream, across_nodes_only)
         self._seeds = Seeds(config, topology.rank)
 
     def start(self, bucket: Bucket, step: int) -> Pending:
@@ -193,8 +221,9 @@ class QuantizedWeightAllGather:
         payload = ops.weight_update_encode(
             bucket.master, reference, config.weight_bits, config.weight_group_size, config.rounding, seed
         )
-        gathered = payload.new_empty((bucket.layout.world_size, payload.shape[1]))
         shard = bucket.layout.shard_numel
+        held = bucket.held_weights  # [W * S], or the node slice [M * S]
+        gathered = payload.new_empty((held.numel() // shard, payload.shape[1]))
 
         def apply(nodes: int) -> None:
             # Where the gather has a side stream, on it: the compute stream waits for its landed
@@ -202,16 +231,16 @@ class QuantizedWeightAllGather:
             # Flat, on the caller's stream inside `wait`.
             ops.weight_update_apply(
                 gathered,
-                bucket.weights,
+                held,
                 config.weight_bits,
                 config.weight_group_size,
                 self._additive,
                 nodes,
                 applied=bucket.applied_shard,
-                rank=bucket.rank,
+                rank=bucket.own_row,
             )
 
-        uncompressed = shard * bucket.weights.element_size()
+        uncompressed = shard * held.element_size()
         return self._gather.start(gathered, payload.view(-1), shard, uncompressed, apply, local_major=True)
 
 
@@ -224,7 +253,8 @@ def weight_collective_for(
     stream: torch.cuda.Stream | None = None,
 ) -> WeightAllGather:
     """The weight exchange `config` asks for this bucket (`stream`: see `_TwoLevelGather`)."""
+    across_nodes_only = config.shards_weights
     if config.compresses_weights and compresses(bucket, config, topology):
         additive = config.weight_quant is WeightQuant.DIFF
-        return QuantizedWeightAllGather(config, topology, groups, meter, additive, stream)
-    return PlainWeightAllGather(topology, groups, meter, stream)
+        return QuantizedWeightAllGather(config, topology, groups, meter, additive, stream, across_nodes_only)
+    return PlainWeightAllGather(topology, groups, meter, stream, across_nodes_only)

@@ -266,12 +266,15 @@ def build_engine(
     meter: WireMeter,
     timeout: timedelta | None,
     manual: bool = False,
+    device: torch.device | None = None,
 ) -> ShardedEngine:
-    """The engine over `module` (already on its device, in its training dtype), its process
-    groups bounded by the strategy's `timeout` (`manual`: see `ShardedEngine`). Collective."""
+    """The engine over `module` (on its device, or on the meta device to be built on `device`,
+    in its training dtype), its process groups bounded by the strategy's `timeout` (`manual`:
+    see `ShardedEngine`). Collective."""
     ranks_per_node = config.resolve_ranks_per_node(world_size, num_processes)
     topology = Topology(global_rank, world_size, ranks_per_node)
-    return ShardedEngine(module, config, topology, create_process_groups(topology, timeout), meter, manual=manual)
+    groups = create_process_groups(topology, timeout)
+    return ShardedEngine(module, config, topology, groups, meter, manual=manual, device=device)
 
 
 # The collectives the adapters run for Lightning and the user (sync_dist logging, barriers,

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.engine import ShardedEngine
+from lightning_sdp4bit.materialize import is_on_meta
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.strategies import common, launchers, peers
 from lightning_sdp4bit.strategies.comm_logging import CommStatsLogger
@@ -162,6 +163,12 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
         self.engine = None
         if trainer.state.fn == TrainerFn.FITTING:
             common.refuse_finetuning_callbacks(trainer)
+            if self.config.shards_weights and getattr(trainer.lightning_module, "_compiler_ctx", None):
+                raise ValueError(
+                    "sdp4bit: weight_sharding='node' does not run under torch.compile yet (its gathers swap the "
+                    "parameters' storage between forwards): fit the module uncompiled, or with "
+                    "weight_sharding='replicated'"
+                )
             # Manual optimization: no backward is known to be the window's last, so nothing is
             # sent during backward; the gradients are reduced when opt.step() (or a clip) needs them.
             self.engine = common.build_engine(
@@ -173,6 +180,7 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
                 self.meter,
                 self._timeout,
                 manual=not trainer.lightning_module.automatic_optimization,
+                device=self.root_device,
             )
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
@@ -194,7 +202,32 @@ class SDP4BitStrategy(common.DataParallelLayout, ShardedCheckpoints, ParallelStr
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        module = self.lightning_module
+        if not is_on_meta(self.model):
+            self.model.to(self.root_device)
+        elif not (self.config.shards_weights and module is not None and module.trainer.state.fn == TrainerFn.FITTING):
+            raise ValueError(
+                "sdp4bit: the module has parameters on the meta device (configure_model, or "
+                "trainer.init_module(empty_init=True)); only fit with weight_sharding='node' materializes it, each "
+                "rank what it holds. Otherwise build it on a device, or load a checkpoint into a real module."
+            )
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """trainer.init_module(empty_init=True) under weight_sharding="node": on the meta device,
+        so that no rank ever holds the whole model; fit materializes each rank's node slices."""
+        if empty_init and self.config.shards_weights:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """configure_model under weight_sharding="node" builds on the meta device (as above)."""
+        with torch.device("meta") if self.config.shards_weights else nullcontext():
+            yield
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         """Precision._after_closure, with the engine's steps around the hooks: between backward

@@ -67,7 +67,14 @@ def parse_world(spec: object) -> tuple[int, int]:
 
 def check_shape(config: SDP4BitConfig, nodes: int, ranks_per_node: int) -> None:
     """A simulated job takes its shape from its world ("MxL"): a `config.ranks_per_node` set to
-    another L contradicts it (ignoring it would run another job than the config describes)."""
+    another L contradicts it (ignoring it would run another job than the config describes). It
+    holds the weights replicated."""
+    if config.shards_weights:
+        raise ValueError(
+            "weight_sharding='node' cannot be simulated: a simulated job keeps one copy of the weights for all "
+            "its ranks, which the node mode's gathers and releases would swap under each other. Simulate with "
+            "weight_sharding='replicated': the numerics are the same bit for bit"
+        )
     if config.ranks_per_node is not None and config.ranks_per_node != ranks_per_node:
         raise ValueError(
             f"ranks_per_node={config.ranks_per_node} contradicts simulate={nodes}x{ranks_per_node}, whose nodes "

@@ -175,3 +175,12 @@ def test_ranks_per_node_is_checked_against_the_world_size(monkeypatch):
     with pytest.raises(ValueError, match="taken from LOCAL_WORLD_SIZE.*must divide the world size 6"):
         SDP4BitConfig().resolve_ranks_per_node(world_size=6)
     assert SDP4BitConfig().resolve_ranks_per_node(world_size=6, local_world_size=3) == 3
+
+
+def test_node_sharding_needs_two_ranks_per_node_before_anything_starts():
+    config = SDP4BitConfig(weight_sharding="node", ranks_per_node=1)
+    with pytest.raises(
+        ValueError, match=r"weight_sharding='node' needs at least 2 ranks per node, got ranks_per_node=1"
+    ):
+        config.resolve_ranks_per_node(4)
+    assert SDP4BitConfig(weight_sharding="node").resolve_ranks_per_node(8, 4) == 4

@@ -1,0 +1,317 @@
+"""Weights sharded inside the node (`weight_sharding="node"`): each rank holds 1/L of them.
+
+With L ranks per node and M nodes (rank = node * L + local), a bucket of N = W * S elements is
+cut into W shards of S; rank r owns shard r's fp32 master. In the replicated mode every rank
+also holds all N weights in the module's dtype. Here rank (m, l) holds only the **node slice**
+[M, S]: the shards of the ranks at its local index l, one per node (row m' is rank m' * L + l's
+shard; row m is its own, `Bucket.weight_shard`). Those are exactly the rows the weight exchange
+brings across nodes at local index l (stage 1 of the replicated mode's two-level all-gather), so
+the exchange writes them in place and stops there: no node-internal exchange after the step.
+
+The node's L slices together are the whole bucket. Before a module's forward (and again before
+its backward) the buckets of its parameters are **gathered** inside the node, losslessly, in the
+module's dtype: an all-gather of the L slices, [L, M, S] (local-major), then a transposed copy
+into rank order [M, L, S] = [N], which the parameters become views of again. After the forward
+(and after the bucket's gradients arrive in backward) the bucket is **released**: this rank's
+rows of it are copied back into its node slice (so a write made meanwhile, a hook's clamp, is
+kept, as it would be in the replicated mode's weights) and the parameters point at a NaN
+placeholder of their shape: any read that escapes the engine shows up as NaN, not as stale values.
+
+When is a bucket gathered, and when released:
+- a module's forward pre-hook gathers the buckets of its own parameters; its forward hook
+  releases each once every module owning parameters in it has run forward (not inside backward,
+  where activation checkpointing recomputes forwards whose backward follows at once), and, with
+  gradients enabled, registers a hook on the outputs that gathers them again before that part
+  of backward runs;
+- any other torch operation on a released parameter (a weight read outside its module's
+  forward: a functional tied head, a penalty over the parameters, a callback) gathers its
+  bucket first (`ReleasedReadGuard`). Gathered so in a forward with gradients enabled, the
+  bucket stays until that backward is done (autograd saved the parameter itself);
+- in backward, a bucket is released once every parameter in it has its gradient; after
+  backward, and before the optimizer step, the rest are.
+
+What this costs: an intra-node all-gather of (L - 1)/L x N x 2 bytes (bf16) per bucket before
+each forward and each backward, on NVLink; its gain: (L - 1)/L of the weights' bytes held.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Generator, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_sdp4bit import comm
+from lightning_sdp4bit.buffers import Bucket, as_words
+from lightning_sdp4bit.stats import WireMeter
+from lightning_sdp4bit.topology import ProcessGroups, Topology
+from lightning_sdp4bit.weight_access import StackedMode
+
+__all__ = ["GATHER_PREFETCH", "NodeShards", "ReleasedReadGuard", "node_rows"]
+
+# Buckets whose intra-node gathers start ahead of the one a module waits for.
+GATHER_PREFETCH = 2
+
+# What a torch function mode sees of a parameter that reads no values: metadata, its gradient,
+# its version counter, hook registration. None of these gathers a released bucket.
+_NO_VALUES = frozenset(
+    [
+        *(
+            getattr(torch._C.TensorBase, name).__get__
+            for name in ("shape", "dtype", "device", "ndim", "requires_grad", "grad", "_version", "is_leaf", "layout")
+        ),
+        *(getattr(torch._C.TensorBase, name).__set__ for name in ("requires_grad", "grad")),
+        *(
+            getattr(torch.Tensor, name)
+            for name in ("size", "dim", "numel", "nelement", "element_size", "is_floating_point", "register_hook")
+        ),
+        torch.Tensor.register_post_accumulate_grad_hook,
+    ]
+)
+
+
+def node_rows(bucket: Bucket, topology: Topology) -> torch.Tensor:
+    """This rank's rows of a gathered bucket's weights: [M, S], rows m * L + local."""
+    return bucket.weights.view(topology.nodes, topology.ranks_per_node, -1)[:, topology.local_index]
+
+
+class ReleasedReadGuard(StackedMode):
+    """Gathers a released bucket before any torch operation that reads one of its parameters'
+    values (`_NO_VALUES` says what does not). Pushed for the engine's life; off while the engine
+    itself swaps the parameters' storage (`quiet`)."""
+
+    def __init__(self, gather: Callable[[int], None]):
+        super().__init__()
+        self._gather = gather
+        self.released: dict[int, int] = {}  # id(parameter) -> its bucket, for released buckets
+        self.quiet = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        released = self.released
+        if self.active and released and not self.quiet and func not in _NO_VALUES:
+            for value in (*args, *kwargs.values()) if kwargs else args:
+                if isinstance(value, (list, tuple)):  # one level in: torch.cat, the foreach ops
+                    for item in value:
+                        if id(item) in released:
+                            self._gather(released[id(item)])
+                elif id(value) in released:
+                    self._gather(released[id(value)])
+        return func(*args, **kwargs)
+
+
+class NodeShards:
+    """One rank's node slices and the gathered state of its buckets (see the module docstring).
+
+    `wait_exchange(indices)`: completes those buckets' weight exchanges (which write the node
+    slices) before a gather reads them."""
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        topology: Topology,
+        groups: ProcessGroups,
+        timeouts: comm.Timeouts,
+        meter: WireMeter,
+        wait_exchange: Callable[[list[int]], None],
+    ):
+        if not topology.has_intra_stage:  # SDP4BitConfig.resolve_ranks_per_node refuses it first
+            raise ValueError('weight_sharding="node" needs at least 2 ranks per node')
+        self.buckets, self.topology, self.groups = buckets, topology, groups
+        self.timeouts, self.meter, self._wait_exchange = timeouts, meter, wait_exchange
+        self.gathered = [True] * len(buckets)  # as allocated: full weights
+        self.closed = False  # after the engine's close: gathered for good
+        self.sticky: set[int] = set()  # gathered by a read in a forward with gradients: kept until backward ends
+        self._waiting_users: list[set[int]] = [set() for _ in buckets]  # modules yet to run forward, per bucket
+        self._users: list[set[int]] = [set() for _ in buckets]  # modules owning parameters in each bucket
+        self._arrived: list[int] = [0] * len(buckets)  # gradients in by this backward, per bucket
+        self._landing: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> its gather in flight, [L, M * S]
+        self.guard = ReleasedReadGuard(lambda index: self.gather([index], sticky=self._reads_for_backward()))
+        for index, bucket in enumerate(buckets):
+            if bucket.node_slice is None:
+                bucket.hold_node_slice(topology.nodes, topology.ranks_per_node)
+            else:  # built as node slices (`materialize`): nothing is gathered yet
+                self.gathered[index] = False
+                self.guard.released.update((id(param), index) for param in bucket.params)
+
+    # ----------------------------------------------------------------------------------------
+    # Gathering and releasing
+
+    def gather(self, indices: Iterable[int], sticky: bool = False) -> None:
+        """Make these buckets' full weights the parameters' storage again, then start the gathers
+        of the next `GATHER_PREFETCH` buckets in the order the pass reaches them (forward: the
+        first layers are in the last bucket; backward: the reverse), so that they cross NVLink
+        while this module computes. Collective inside the node: every rank of it gathers the same
+        buckets in the same order (the same module forwards, the same reads)."""
+        indices = list(indices)
+        for index in indices:
+            if sticky:
+                self.sticky.add(index)
+            if not self.gathered[index]:
+                self._land(index)
+        if indices:
+            step = 1 if _in_backward() else -1
+            ahead = max(indices) if step == 1 else min(indices)
+            for index in range(ahead + step, ahead + step * (GATHER_PREFETCH + 1), step):
+                if 0 <= index < len(self.buckets) and not self.gathered[index] and index not in self._landing:
+                    self._start(index)
+
+    def _start(self, index: int) -> None:
+        """Launch bucket `index`'s intra-node all-gather: its node slices [L, M, S] land local-major."""
+        self._wait_exchange([index])
+        bucket, local_ranks = self.buckets[index], self.topology.ranks_per_node
+        slice_ = _node_slice(bucket).view(-1)
+        landed = slice_.new_empty((local_ranks, slice_.numel()))
+        with self.timeouts.named("intra-node weight gather", index):
+            work = comm.all_gather(landed.view(-1), slice_, group=self.groups.intra, async_op=True)
+        self.meter.record("weight_gather", slice_.nbytes, slice_.numel(), slice_.nbytes)
+        self._landing[index] = (work, landed)
+
+    def _land(self, index: int) -> None:
+        """Wait for bucket `index`'s gather (launched now if it was not) and put the blocks in rank
+        order, [L, M, S] -> [M, L, S] = [N]: the parameters' storage again."""
+        if index not in self._landing:
+            self._start(index)
+        work, landed = self._landing.pop(index)
+        bucket, nodes, local_ranks = self.buckets[index], self.topology.nodes, self.topology.ranks_per_node
+        with torch.no_grad(), self._quiet(), self.timeouts.named("intra-node weight gather", index):
+            work.wait()
+            if nodes == 1:  # local-major is rank order
+                full = landed.view(-1)
+            else:
+                full = torch.empty(bucket.layout.numel, dtype=bucket.dtype, device=bucket.device)
+                rows, blocks = as_words(full.view(nodes, local_ranks, -1), landed.view(local_ranks, nodes, -1))
+                rows.copy_(blocks.transpose(0, 1))
+            bucket.attach_weights(full)
+        self.gathered[index] = True
+        self._waiting_users[index] = set(self._users[index])
+        for param in bucket.params:
+            self.guard.released.pop(id(param), None)
+
+    def release(self, indices: Iterable[int], keep: bool = True) -> None:
+        """Keep this rank's rows of these buckets in their node slices (unless not `keep`: the
+        node slices are about to be overwritten) and let the full weights go."""
+        for index in indices:
+            self.sticky.discard(index)
+            if index in self._landing:  # prefetched and not used: its gather completes all the same
+                self._land(index)
+            if not self.gathered[index]:
+                continue
+            bucket = self.buckets[index]
+            with torch.no_grad(), self._quiet():
+                if keep:
+                    _node_slice(bucket).copy_(node_rows(bucket, self.topology))
+                if self.closed:  # no guard gathers any more: the module keeps its weights
+                    continue
+                bucket.detach_weights()
+            self.gathered[index] = False
+            for param in bucket.params:
+                self.guard.released[id(param)] = index
+
+    def release_all(self) -> None:
+        self.release(range(len(self.buckets)))
+
+    @contextmanager
+    def _quiet(self) -> Generator[None, None, None]:
+        """The engine's own reads and swaps of the parameters: the guard lets them pass."""
+        previous, self.guard.quiet = self.guard.quiet, True
+        try:
+            yield
+        finally:
+            self.guard.quiet = previous
+
+    @staticmethod
+    def _reads_for_backward() -> bool:
+        """Whether a read now may be saved by autograd for a backward still to come."""
+        return torch.is_grad_enabled() and not _in_backward()
+
+    # ----------------------------------------------------------------------------------------
+    # The module hooks' and the step's moments
+
+    def add_user(self, module: nn.Module, indices: list[int]) -> None:
+        for index in indices:
+            self._users[index].add(id(module))
+
+    def before_module_forward(self, indices: list[int]) -> None:
+        self.gather(indices)
+
+    def after_module_forward(self, module: nn.Module, indices: list[int], output: Any) -> None:
+        """Release the buckets every user of which has run forward, and gather them again before
+        the backward through this output (with gradients enabled)."""
+        if _in_backward():
+            return  # a recomputed forward (activation checkpointing): its backward follows
+        if torch.is_grad_enabled():
+            tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+            tensors = [t for t in tensors if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, _RegatherHook(self, indices), mode="any")
+        for index in indices:
+            waiting = self._waiting_users[index]
+            waiting.discard(id(module))
+            if not waiting and index not in self.sticky:
+                self.release([index])
+
+    def before_forward(self) -> None:
+        """Release what a read gathered since the last step (a callback's) and no backward needs:
+        the forward gathers what it uses."""
+        self.release([i for i, gathered in enumerate(self.gathered) if gathered and i not in self.sticky])
+
+    def before_backward(self) -> None:
+        self._arrived = [0] * len(self.buckets)
+
+    def grad_arrived(self, index: int) -> None:
+        """One parameter of bucket `index` has its gradient of this backward; once all have, the
+        bucket's weights are not needed again before the next forward."""
+        self._arrived[index] += 1
+        if self._arrived[index] == len(self.buckets[index].params):
+            self.release([index])
+
+    def close(self) -> None:
+        """Stop guarding, and gather every bucket for good where the whole model fits on the device
+        (the module whole again, as in the replicated mode); where it does not, its parameters stay
+        NaN placeholders, with a warning that says where the trained weights are. A checkpoint
+        saved after fit still reads the node slices."""
+        if _fits(self.buckets, [i for i, gathered in enumerate(self.gathered) if not gathered]):
+            self.gather(range(len(self.buckets)))
+        else:
+            warnings.warn(
+                "sdp4bit: after fit, the whole model does not fit on this device, so the module's parameters are "
+                "left empty (NaN placeholders of their shapes): read the trained weights from a checkpoint "
+                "(lightning_sdp4bit.consolidate_checkpoint, or LightningModule.load_from_checkpoint)",
+                stacklevel=3,
+            )
+        self.closed = True
+        self.guard.close()
+
+
+class _RegatherHook:
+    """Fires once in a backward, when the gradient of a module's output is computed: the
+    module's buckets are gathered before its part of backward reads its parameters."""
+
+    def __init__(self, shards: NodeShards, indices: list[int]):
+        self.shards, self.indices = shards, indices
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.shards.gather(self.indices)
+
+
+def _node_slice(bucket: Bucket) -> torch.Tensor:
+    assert bucket.node_slice is not None  # NodeShards gives every bucket one
+    return bucket.node_slice
+
+
+def _fits(buckets: Sequence[Bucket], released: list[int]) -> bool:
+    """Whether the released buckets' full weights fit in the device's free memory, with room to spare."""
+    device = buckets[0].device
+    if device.type != "cuda" or not released:
+        return True
+    needed = sum(buckets[i].layout.numel * buckets[i].dtype.itemsize for i in released)
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return needed * 1.1 < free
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
