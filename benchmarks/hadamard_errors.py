@@ -16,6 +16,9 @@ parameter group's elements, summed in fp64):
 - **the two-level path end to end**, TLq and TLq-HS (`simulate_two_level_reduce_scatter` with the
   presets' settings and the engine's seeds for this step and bucket) against **the exact mean**,
   the fp64 sum of the W gradients;
+- **the batch's own sampling noise**, the standard error of that mean over the ranks' windows,
+  sqrt(sum_r ||W g_r - mean||^2 / (W (W - 1))), relative to the mean: stochastic rounding is
+  unbiased, so its error adds to this noise as more noise of the same kind would;
 - **the shape of each quantization group** (what sets its absmax scale): max/RMS and kurtosis
   E[x^4] / E[x^2]^2 (moments about 0, as the quantizer is symmetric about 0: 3 for Gaussian
   values, 128 for one spike among zeros), of the ranks' gradients (the int8 stage's input) and of
@@ -43,7 +46,7 @@ TLQ, TLQ_HS = SDP4BitConfig.preset("tlq"), SDP4BitConfig.preset("tlq_hs")
 ROTATION = TLQ_HS.hadamard_size  # 32
 QUANTILES = {"p50": 0.5, "p99": 0.99, "max": 1.0}
 # Sums of squares a Tally keeps: the error and its reference.
-SUMS = ("int4_plain", "int4_hadamard", "node_sums", "tlq", "tlq_hs", "mean")
+SUMS = ("int4_plain", "int4_hadamard", "node_sums", "tlq", "tlq_hs", "mean", "spread")
 
 
 def element_labels(layout: BucketLayout, group_of: Callable[[str], int], padding: int, device) -> Tensor:
@@ -110,6 +113,7 @@ class Tally:
     sums: dict[str, Tensor] = field(default_factory=dict)  # SUMS name -> fp64 [len(groups) + 1]
     shapes: dict[str, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # name -> (labels, values)
     elements: Tensor | None = None  # int64 [len(groups) + 1]
+    world: int = 0  # W, the ranks whose gradients are measured
 
     def add_squares(self, name: str, labels: Tensor, values: Tensor) -> None:
         """Add the squares of `values` [N] (squared in fp64: no underflow) to their groups' sums."""
@@ -121,7 +125,7 @@ class Tally:
 
     def summary(self) -> dict:
         """{group or "all": {"elements", "grad_share", "int4_error": {"plain", "hadamard"},
-        "two_level_error": {"tlq", "tlq_hs"}, "shape": {name: {p50, p99, max}}}}."""
+        "two_level_error": {"tlq", "tlq_hs"}, "batch_noise", "shape": {name: {p50, p99, max}}}}."""
         assert self.elements is not None, "no bucket measured"
         sums = {name: [*values[:-1].tolist(), values[:-1].sum().item()] for name, values in self.sums.items()}
         out = {}
@@ -138,6 +142,7 @@ class Tally:
                     "hadamard": ratio("int4_hadamard", "node_sums"),
                 },
                 "two_level_error": {"tlq": ratio("tlq", "mean"), "tlq_hs": ratio("tlq_hs", "mean")},
+                "batch_noise": ratio("spread", "mean") / (self.world * (self.world - 1)) ** 0.5,
                 "shape": {name: self._quantiles(name, None if group == "all" else index) for name in self.shapes},
             }
         return out
@@ -161,6 +166,9 @@ def measure_bucket(grads: Tensor, labels: Tensor, ranks_per_node: int, step: int
     for rank_grad in grads:
         exact += rank_grad
     tally.add_squares("mean", labels, exact)
+    tally.world = grads.shape[0]
+    for rank_grad in grads:  # W g_r: the gradient of rank r's window alone
+        tally.add_squares("spread", labels, rank_grad.double() * tally.world - exact)
     for name, config in (("tlq", TLQ), ("tlq_hs", TLQ_HS)):
         estimate = two_level_mean(grads, ranks_per_node, config, step, bucket)
         tally.add_squares(name, labels, estimate.double() - exact)

@@ -3,7 +3,8 @@
   several-fold; on Gaussian values, which the rotation leaves Gaussian, it changes it by little;
 - errors are measured against the exact mean: constant gradients, which both two-level paths carry
   without loss, measure 0 (and the ranks' gradients are left as they were), random ones measure
-  exactly ||two-level - sum of the ranks' gradients|| / ||sum||;
+  exactly ||two-level - sum of the ranks' gradients|| / ||sum||, and the batch's sampling noise is
+  the standard error of that mean over the ranks;
 - a group's shape: a lone spike has max/RMS sqrt(128) and kurtosis 128, a constant group 1 and 1,
   an all-zero group is left out; every GPT parameter has a group;
 - the kernel timing calls the real kernels with the presets' settings, rotation off and on: the
@@ -78,6 +79,10 @@ def test_errors_are_measured_against_the_exact_mean(errors):
             _relative(estimate[numel // 2 :], exact[numel // 2 :]), rel=1e-9
         )
         assert 0.01 < measured["all"]["two_level_error"][name] < 0.5
+    spread = ((grads.double() * world - exact).square().sum() / (world * (world - 1))).sqrt()
+    assert measured["all"]["batch_noise"] == pytest.approx((spread / exact.norm()).item(), rel=1e-9)
+    # Rank r's window alone gives r (r = 1..8), their mean 4.5: sqrt(sum (r - 4.5)^2 / (8 * 7)) / 4.5.
+    assert lossless["all"]["batch_noise"] == pytest.approx(math.sqrt(42 / 56) / 4.5)
     assert measured["a"]["elements"] == numel // 2 and measured["all"]["grad_share"] == 1.0
 
 
