@@ -178,3 +178,16 @@ def test_smoke_run_measures_resumes_and_reports(tmp_path):
         assert f"| {vocab} | {step} |" in page
     assert "| BPE | 4 | embedding |" in page and "Kernel times: **pending the H200 run**" in page
     assert (docs / "hadamard.png").stat().st_size > 0
+
+    # What a GPU run adds: each bucket's kernel times (JSON keys are strings) and their sum a step.
+    rows = [{"vocab": v, "bucket": 0, "numel": 1024, "encode_ms": {"0": 0.1, "32": 0.13},
+             "decode_ms": {"0": 0.02, "32": 0.03}} for v in ("bytes", "bpe")]  # fmt: skip
+    per_step = {v: {"encode_0": 0.1, "encode_32": 0.13, "decode_0": 0.02, "decode_32": 0.03} for v in ("bytes", "bpe")}
+    timed = tmp_path / "timed.json"
+    timed.write_text(json.dumps({**first, "kernels": {"rows": rows, "per_step_ms": per_step, "device": "H200"}}))
+    _diagnose("--report", str(timed), "--docs", str(docs))
+    page = (docs / "hadamard.md").read_text()
+    pass_ms = first["captures"][-1]["rank_pass_ms"]
+    assert "| BPE | 0 | 1,024 | 0.100 | 0.130 | 0.020 | 0.030 |" in page
+    assert "- BPE: the rotation adds **40 us a step** to a rank's encode and decode (120 us without it), " in page
+    assert f"{100 * 0.04 / pass_ms:.2f}% of a rank's forward and backward ({pass_ms:.1f} ms)" in page
