@@ -40,7 +40,7 @@ from lightning_sdp4bit.reference import blockwise_hadamard, dequantize_groups, q
 from lightning_sdp4bit.reference.ops import stage_seed
 from lightning_sdp4bit.reference.simulate import simulate_two_level_reduce_scatter
 
-__all__ = ["Tally", "element_labels", "int4_round_trip", "measure_bucket", "node_sums", "two_level_mean"]
+__all__ = ["Runs", "Tally", "element_labels", "int4_round_trip", "measure_bucket", "node_sums", "two_level_mean"]
 
 TLQ, TLQ_HS = SDP4BitConfig.preset("tlq"), SDP4BitConfig.preset("tlq_hs")
 ROTATION = TLQ_HS.hadamard_size  # 32
@@ -55,6 +55,28 @@ def element_labels(layout: BucketLayout, group_of: Callable[[str], int], padding
     for slot in layout.slots:
         labels[slot.start : slot.start + slot.numel] = group_of(slot.name)
     return labels
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A bucket's labels as runs of equal labels (a parameter's elements are contiguous), so that a
+    group's sum is a difference of prefix sums: an index_add_ of 10^8 elements into six groups
+    would serialise on the GPU's atomics."""
+
+    bounds: Tensor  # int64 [K + 1]: run k is elements bounds[k] .. bounds[k + 1] - 1
+    labels: Tensor  # int64 [K]
+
+    @classmethod
+    def of(cls, labels: Tensor) -> Runs:
+        starts = torch.nonzero(labels[1:] != labels[:-1]).flatten() + 1
+        ends = torch.tensor([labels.numel()], device=labels.device)
+        bounds = torch.cat([torch.zeros_like(ends), starts, ends])
+        return cls(bounds, labels[bounds[:-1]])
+
+    def sums(self, values: Tensor) -> Tensor:
+        """fp64 [K]: the sum of `values` [N] over each run."""
+        prefix = torch.cat([values.new_zeros(1, dtype=torch.float64), values.double().cumsum(0)])
+        return prefix[self.bounds[1:]] - prefix[self.bounds[:-1]]
 
 
 def node_sums(grads: Tensor, ranks_per_node: int) -> Tensor:
@@ -115,10 +137,10 @@ class Tally:
     elements: Tensor | None = None  # int64 [len(groups) + 1]
     world: int = 0  # W, the ranks whose gradients are measured
 
-    def add_squares(self, name: str, labels: Tensor, values: Tensor) -> None:
+    def add_squares(self, name: str, runs: Runs, values: Tensor) -> None:
         """Add the squares of `values` [N] (squared in fp64: no underflow) to their groups' sums."""
-        into = self.sums.setdefault(name, torch.zeros(len(self.groups) + 1, dtype=torch.float64, device=labels.device))
-        into.index_add_(0, labels, values.double().square())
+        into = self.sums.setdefault(name, torch.zeros(len(self.groups) + 1, dtype=torch.float64, device=values.device))
+        into.index_add_(0, runs.labels, runs.sums(values.double().square()))
 
     def add_shape(self, name: str, labels: Tensor, values: Tensor) -> None:
         self.shapes.setdefault(name, []).append((labels, values))
@@ -160,25 +182,27 @@ def measure_bucket(grads: Tensor, labels: Tensor, ranks_per_node: int, step: int
     """Add one bucket's measurements (the module docstring's list) to `tally`. grads fp32 [W, N],
     labels int64 [N]."""
     group = TLQ_HS.grad_group_size
-    count = torch.bincount(labels, minlength=len(tally.groups) + 1)
+    runs = Runs.of(labels)
+    count = torch.zeros(len(tally.groups) + 1, dtype=torch.int64, device=labels.device)
+    count.index_add_(0, runs.labels, runs.bounds.diff())
     tally.elements = count if tally.elements is None else tally.elements + count
     exact = torch.zeros(grads.shape[1], dtype=torch.float64, device=grads.device)
     for rank_grad in grads:
         exact += rank_grad
-    tally.add_squares("mean", labels, exact)
+    tally.add_squares("mean", runs, exact)
     tally.world = grads.shape[0]
     for rank_grad in grads:  # W g_r: the gradient of rank r's window alone
-        tally.add_squares("spread", labels, rank_grad.double() * tally.world - exact)
+        tally.add_squares("spread", runs, rank_grad.double() * tally.world - exact)
     for name, config in (("tlq", TLQ), ("tlq_hs", TLQ_HS)):
         estimate = two_level_mean(grads, ranks_per_node, config, step, bucket)
-        tally.add_squares(name, labels, estimate.double() - exact)
+        tally.add_squares(name, runs, estimate.double() - exact)
     del exact
     group_labels = labels[::group].expand(ranks_per_node, -1).reshape(-1)  # [L * N / g]: one node's ranks
     for node, total in enumerate(node_sums(grads, ranks_per_node)):
-        tally.add_squares("node_sums", labels, total)
+        tally.add_squares("node_sums", runs, total)
         seed = stage_seed(TLQ_HS.seed, step, bucket, node)  # the same draws with and without the rotation
         for name, size in (("int4_plain", 0), ("int4_hadamard", ROTATION)):
-            tally.add_squares(name, labels, int4_round_trip(total, size, seed) - total)
+            tally.add_squares(name, runs, int4_round_trip(total, size, seed) - total)
         for suffix, x in (("", total), ("_rotated", blockwise_hadamard(total, ROTATION))):
             crest, kurtosis = group_shape(x, group)
             tally.add_shape(f"node_crest{suffix}", labels[::group], crest)

@@ -5,6 +5,7 @@
   without loss, measure 0 (and the ranks' gradients are left as they were), random ones measure
   exactly ||two-level - sum of the ranks' gradients|| / ||sum||, and the batch's sampling noise is
   the standard error of that mean over the ranks;
+- a group's sums add up its runs of elements, wherever they lie in the bucket;
 - a group's shape: a lone spike has max/RMS sqrt(128) and kurtosis 128, a constant group 1 and 1,
   an all-zero group is left out; every GPT parameter has a group;
 - the kernel timing calls the real kernels with the presets' settings, rotation off and on: the
@@ -84,6 +85,15 @@ def test_errors_are_measured_against_the_exact_mean(errors):
     # Rank r's window alone gives r (r = 1..8), their mean 4.5: sqrt(sum (r - 4.5)^2 / (8 * 7)) / 4.5.
     assert lossless["all"]["batch_noise"] == pytest.approx(math.sqrt(42 / 56) / 4.5)
     assert measured["a"]["elements"] == numel // 2 and measured["all"]["grad_share"] == 1.0
+
+
+def test_group_sums_add_up_each_groups_runs(errors):
+    labels = torch.tensor([2, 2, 0, 0, 0, 1, 2, 2, 3])  # group 2 in two runs; 3: the padding
+    runs = errors.Runs.of(labels)
+    assert runs.bounds.tolist() == [0, 2, 5, 6, 8, 9] and runs.labels.tolist() == [2, 0, 1, 2, 3]
+    tally = errors.Tally(["a", "b", "c"])
+    tally.add_squares("x", runs, torch.arange(9.0))
+    assert tally.sums["x"].tolist() == [4 + 9 + 16, 25, 0 + 1 + 36 + 49, 64]
 
 
 def test_group_shape(errors, benchmark_script):
