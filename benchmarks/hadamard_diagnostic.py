@@ -259,19 +259,21 @@ def diagnose(args, study: Study, steps: list[int]) -> None:
     byte_corpus = build_corpus(limit_bytes=study.corpus_limit_bytes)
     corpora = {"bytes": byte_corpus, "bpe": bpe_corpus(byte_corpus, args.vocab, args.state)}
     studies = {v: replace(study, vocab_size=corpora[v].manifest.get("tokenizer_vocab", 256)) for v in VOCABS}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     meta = {
         "study": {v: asdict(s) for v, s in studies.items()}, "steps": steps, "study_steps": study.steps,
-        "corpus": {v: c.manifest for v, c in corpora.items()}, "device": torch.cuda.get_device_name()
-        if device.type == "cuda" else platform.processor() or "cpu", "torch": torch.__version__,
+        "corpus": {v: c.manifest for v, c in corpora.items()}, "device": name, "torch": torch.__version__,
     }  # fmt: skip
     (args.state / "meta.json").write_text(json.dumps(meta, indent=1))
     print(f"prepared in {time.time() - args.started:.0f} s", flush=True)
     if time_kernels:
         layouts = {}
         for vocab, s in studies.items():
-            torch.manual_seed(0)
-            names = GPT(GPTConfig(s.vocab_size, s.block_size, s.n_layer, s.n_head, s.n_embd)).named_parameters()
-            layouts[vocab] = bucket_layouts(list(names), replace(TLQ_HS, bucket_numel=s.bucket_numel), s.ranks)
+            with torch.device("meta"):  # the parameters' names and shapes, no storage
+                named = list(
+                    GPT(GPTConfig(s.vocab_size, s.block_size, s.n_layer, s.n_head, s.n_embd)).named_parameters()
+                )
+            layouts[vocab] = bucket_layouts(named, replace(TLQ_HS, bucket_numel=s.bucket_numel), s.ranks)
         (args.state / "kernels.json").write_text(json.dumps(time_rotation(layouts, study.world), indent=1))
         publish(args.state, args.out, meta)
     runs: dict[str, Baseline] = {}
