@@ -4,6 +4,7 @@ vocabulary and with a BPE one, at a few points of a baseline run (docs/hadamard.
     python benchmarks/hadamard_diagnostic.py --out OUT                # the H200: about 6 min, resumable
     python benchmarks/hadamard_diagnostic.py --smoke --out /tmp/d     # CI: a tiny model, a few steps, on CPU
     python benchmarks/hadamard_diagnostic.py --report OUT/hadamard_diagnostic.json   # docs/hadamard.md, .png
+    python benchmarks/hadamard_diagnostic.py --report A.json B.json    # the captures of two calls together
 
 For each vocabulary (bytes: 256 symbols; bpe: 49,984 tokens, benchmarks/bpe.py, trained on the
 training files only) it trains the GPU accuracy study's model (benchmarks/accuracy_gpu.py: 12 x
@@ -21,6 +22,8 @@ Resumable: --state keeps the tokenizer, the encoded corpus, each finished measur
 end of a call (its last steps or --budget, seconds from the start, reached), each run's training
 state; a later call with the same --state goes on from there and skips what is done. Every call
 writes all that is finished to --out: hadamard_diagnostic.json and the BPE tokenizer, bpe_tokenizer.json.
+The state lives on the machine; on a fresh one, a call with the missing --steps alone and a report
+of both outputs (the same corpus and tokenizer, which the report checks) give the same page.
 """
 
 from __future__ import annotations
@@ -312,14 +315,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", help=f"capture steps, comma-separated (default {DEFAULT_STEPS}; smoke 2,5)")
     parser.add_argument("--budget", type=float, default=320, help="seconds from the start before training stops")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, tiny vocabulary, a few steps (CI, CPU)")
-    parser.add_argument("--report", type=Path, help="a hadamard_diagnostic.json: write docs/hadamard.md and .png")
+    parser.add_argument(
+        "--report", type=Path, nargs="+", help="hadamard_diagnostic.json file(s): write docs/hadamard.md and .png"
+    )
     parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where --report writes")
     args = parser.parse_args(argv)
     args.started = time.time()
     if args.report is not None:
-        from hadamard_report import write_report
+        from hadamard_report import merge, write_report
 
-        write_report(json.loads(args.report.read_text()), args.docs)
+        write_report(merge([json.loads(path.read_text()) for path in args.report]), args.docs)
         return
     if args.out is None:
         parser.error("--out is required (or --report)")

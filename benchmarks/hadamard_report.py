@@ -124,6 +124,24 @@ def _summary(report: dict) -> list[str]:
     return lines
 
 
+def merge(reports: list[dict]) -> dict:
+    """One report from the outputs of several calls (e.g. the last steps on a fresh machine): the
+    captures of all, one per vocabulary and step, the first kernel times found. They must share
+    the corpus and the tokenizer, or their numbers do not belong in one table."""
+    first = reports[0]
+    for other in reports[1:]:
+        for vocab, key in (("bytes", "content_sha256"), ("bpe", "tokenizer_sha256")):
+            if other["corpus"][vocab][key] != first["corpus"][vocab][key]:
+                raise SystemExit(f"the outputs differ in {vocab} {key}: one report cannot hold both")
+    captures = {(c["step"], c["vocab"]): c for report in reversed(reports) for c in report["captures"]}
+    return {
+        **first,
+        "steps": sorted({c["step"] for c in captures.values()}),
+        "captures": [captures[key] for key in sorted(captures, key=lambda k: (k[0], k[1] != "bytes"))],
+        "kernels": next((r["kernels"] for r in reports if r.get("kernels")), None),
+    }
+
+
 def write_report(report: dict, docs: Path) -> None:
     """Rewrite docs/hadamard.md above its notes marker and draw docs/hadamard.png."""
     captures = report["captures"]

@@ -16,7 +16,9 @@
   saved training state to the same numbers as a straight run; a call with nothing pending only
   writes the output again;
 - the report writes the tables of every capture, says the kernel times are pending without a GPU,
-  draws the figure, and keeps the notes below its marker when it rewrites the page.
+  draws the figure, and keeps the notes below its marker when it rewrites the page; with kernel
+  times it tabulates them and the rotation's cost a step; it merges two calls' outputs, but not
+  outputs of two tokenizers.
 """
 
 import json
@@ -152,7 +154,7 @@ def _diagnose(*args: str) -> str:
     return result.stdout
 
 
-def test_smoke_run_measures_resumes_and_reports(tmp_path):
+def test_smoke_run_measures_resumes_and_reports(tmp_path, benchmark_script):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     _diagnose("--smoke", "--steps", "1,4", "--out", str(straight / "out"), "--state", str(straight / "state"))
     _diagnose("--smoke", "--steps", "1", "--out", str(resumed / "out"), "--state", str(resumed / "state"))
@@ -188,6 +190,16 @@ def test_smoke_run_measures_resumes_and_reports(tmp_path):
         assert f"| {vocab} | {step} |" in page
     assert "| BPE | 4 | embedding |" in page and "Kernel times: **pending the H200 run**" in page
     assert (docs / "hadamard.png").stat().st_size > 0
+
+    # Two calls' outputs in one report: all the captures, in order; not of two tokenizers.
+    merge = benchmark_script("hadamard_report").merge
+    early = {**first, "captures": first["captures"][:2], "steps": [1]}
+    late = {**first, "captures": first["captures"][2:], "steps": [4]}
+    assert merge([late, early]) == first
+    other = json.loads(json.dumps(late))
+    other["corpus"]["bpe"]["tokenizer_sha256"] = "0" * 64
+    with pytest.raises(SystemExit, match="differ in bpe tokenizer_sha256"):
+        merge([early, other])
 
     # What a GPU run adds: each bucket's kernel times (JSON keys are strings) and their sum a step.
     rows = [{"vocab": v, "bucket": 0, "numel": 1024, "encode_ms": {"0": 0.1, "32": 0.13},
