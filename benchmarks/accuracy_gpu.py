@@ -5,6 +5,7 @@
     python benchmarks/accuracy_gpu.py --throughput                # simulated W=64 vs a plain single-GPU step
     python benchmarks/accuracy_gpu.py --report                    # docs/accuracy_gpu.md and .png from finished runs
     python benchmarks/accuracy_gpu.py --smoke --results /tmp/s    # CI: a tiny model for a few steps, on CPU
+    python benchmarks/accuracy_gpu.py --tokenizer bpe --runs baseline-d0,tlq-r0,tlq_hs-r0 --budget 540
 
 Each run trains the same 12 x 768 GPT (12 heads, 1024 tokens of context, byte tokens) from the
 same initial weights on the same data in the same order, for the same number of tokens, with
@@ -14,6 +15,14 @@ Python packages (benchmarks/corpus.py), validation their held-out files. Rank r 
 job reads what DistributedSampler(num_replicas=64, rank=r) over one shuffled list of windows gives
 it. A run checkpoints into --state (the device machine's disk) when its budget ends and resumes
 from there; a finished run writes <results>/<run>.json, which the study then skips.
+
+`--tokenizer bpe` runs the same study on a byte-level BPE vocabulary of 49,984 tokens
+(benchmarks/bpe.py: trained on the training files, or `--tokenizer-file`; its SHA-256 goes into
+every result) instead of bytes: the model becomes GPT-2's 124M shape, the losses are nats per
+token, and its results, states and report are its own (results/accuracy_gpu_bpe,
+docs/accuracy_gpu_bpe.md). The same steps and batch as the byte study, so 150M tokens: more than
+the corpus holds in BPE tokens (about 3.7 bytes a token), so the data order takes a second pass in
+a new order, and each result records how many (`data_epochs`).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
 
+from bpe import BPE_VOCAB, bpe_corpus  # noqa: E402
 from corpus import build_corpus  # noqa: E402
 from gpt.model import GPT, GPTConfig  # noqa: E402
 from gpt.module import decay_groups, warmup_cosine  # noqa: E402
@@ -44,6 +54,8 @@ from lightning_sdp4bit.simulation.graphed import GraphedRanks  # noqa: E402
 
 PRESETS = ["baseline", "qw", "qwd", "ulq", "tlq", "tlq_hs", "sdp4bit"]
 RESULTS = ROOT / "benchmarks" / "results" / "accuracy_gpu"
+RESULTS_BPE = ROOT / "benchmarks" / "results" / "accuracy_gpu_bpe"
+SMOKE_BPE_VOCAB = 384  # the alphabet, the end-of-text token and 127 merges: a tokenizer trained in a second
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ class Study:
     n_embd: int = 768
     n_head: int = 12
     block_size: int = 1024
+    vocab_size: int = 256  # bytes; a BPE run takes its tokenizer's
     world: str = "16x4"
     batch_per_rank: int = 1  # sequences; the global batch is 64 x 1 = 64 sequences
     tokens: int = 150_000_000
@@ -108,7 +121,9 @@ def parse_run(name: str) -> tuple[str, int, int]:
 
 
 class Data:
-    """Windows of block_size + 1 bytes; the order is one permutation per data seed."""
+    """Windows of block_size + 1 tokens; the order is one permutation per data seed and pass over
+    the corpus (a study that needs more windows than the corpus holds takes further passes, each
+    in a new order drawn from the same generator: the first pass's order does not change)."""
 
     def __init__(self, corpus, study: Study, data_seed: int, device: torch.device):
         self.study, self.device = study, device
@@ -116,10 +131,10 @@ class Data:
         self.train = corpus.train.to(device)
         self.val = corpus.val.to(device)
         count = (self.train.numel() - 1) // study.block_size
-        self.order = torch.randperm(count, generator=torch.Generator().manual_seed(data_seed)).to(device)
         needed = study.steps * study.ranks * study.batch_per_rank
-        if needed > count:
-            raise ValueError(f"the corpus holds {count} training windows, the study needs {needed}")
+        self.epochs = -(-needed // count)
+        generator = torch.Generator().manual_seed(data_seed)
+        self.order = torch.cat([torch.randperm(count, generator=generator) for _ in range(self.epochs)]).to(device)
         self.val_count = (self.val.numel() - 1) // study.block_size
         self._span = span
 
@@ -136,7 +151,7 @@ class Data:
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, windows: int, chunk: int = 16) -> float:
-        """Mean cross-entropy (nats per byte) over the first `windows` held-out windows."""
+        """Mean cross-entropy (nats per token) over the first `windows` held-out windows."""
         windows = min(windows, self.val_count)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for start in range(0, windows, chunk):
@@ -146,7 +161,7 @@ class Data:
 
 
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-byte cross-entropy of windows [b, T + 1], in fp32."""
+    """Next-token cross-entropy of windows [b, T + 1], in fp32."""
     logits = model(tokens[:, :-1]).float()
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction=reduction)
 
@@ -188,7 +203,7 @@ class RankPasses:
 
 def build(study: Study, preset: str, rounding_seed: int, device: torch.device):
     torch.manual_seed(study.model_seed)
-    config = GPTConfig(256, study.block_size, study.n_layer, study.n_head, study.n_embd)
+    config = GPTConfig(study.vocab_size, study.block_size, study.n_layer, study.n_head, study.n_embd)
     model = GPT(config).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     nodes, local = parse_world(study.world)
     config = SDP4BitConfig.preset(preset, seed=rounding_seed, bucket_numel=study.bucket_numel)
@@ -235,7 +250,7 @@ def train_run(
     preset, rounding_seed, data_seed = parse_run(name)
     data = Data(corpus, study, data_seed, device)
     model, engine, optimizer, schedule = build(study, preset, rounding_seed, device)
-    state_path = state_dir / f"{name}.pt"
+    state_path = state_dir / (f"{name}.pt" if study.vocab_size == 256 else f"{name}-v{study.vocab_size}.pt")
     progress = {"step": 0, "seconds": 0.0, "val": [], "train": [], "train_partial": 0.0}
     if state_path.exists():
         progress = restore(torch.load(state_path, map_location=device, weights_only=False), model, engine, schedule)
@@ -277,6 +292,7 @@ def train_run(
         "train_curve": progress["train"],
         "steps": study.steps,
         "tokens": study.steps * study.ranks * study.batch_per_rank * study.block_size,
+        "data_epochs": data.epochs,
         "train_seconds": progress["seconds"],
         "bits_per_element": {k: v for k, v in stats.items() if k.endswith("_bits_per_element")},
         "study": asdict(study),
@@ -292,12 +308,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--runs", default="all", help="comma-separated run names, or 'all'")
     parser.add_argument("--seeds", type=int, default=2, help="rounding seeds per stochastic preset")
     parser.add_argument("--budget", type=float, default=540, help="seconds of training in this call")
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--state", type=Path, default=Path("/tmp/sdp4bit_accuracy_gpu"))
+    parser.add_argument("--results", type=Path, help="default: benchmarks/results/accuracy_gpu(_bpe)")
+    parser.add_argument("--state", type=Path, help="default: /tmp/sdp4bit_accuracy_gpu(_bpe)")
+    parser.add_argument("--tokenizer", choices=["bytes", "bpe"], default="bytes", help="the vocabulary")
+    parser.add_argument(
+        "--tokenizer-file", type=Path, help="with --tokenizer bpe: this tokenizer JSON, not one trained"
+    )
     parser.add_argument("--streams", type=int, default=2, help="GPU: ranks replayed at once (same bits for any)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI, CPU)")
     parser.add_argument("--throughput", action="store_true", help="measure the simulation's speed and memory")
-    parser.add_argument("--report", action="store_true", help="write docs/accuracy_gpu.md from finished runs")
+    parser.add_argument("--report", action="store_true", help="write docs/accuracy_gpu(_bpe).md from finished runs")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where --report writes")
     args = parser.parse_args(argv)
     if args.streams < 1:
@@ -314,23 +334,32 @@ def main(argv: list[str]) -> None:
             f"--runs: {', '.join(map(repr, unknown))} not in the study; with --seeds {args.seeds} its runs are "
             + ", ".join(study_runs)
         )
+    if args.tokenizer_file is not None and (args.tokenizer != "bpe" or not args.tokenizer_file.is_file()):
+        parser.error(f"--tokenizer-file {args.tokenizer_file}: needs --tokenizer bpe and an existing file")
+    bpe = args.tokenizer == "bpe"
+    args.results = args.results or (RESULTS_BPE if bpe else RESULTS)
+    args.state = args.state or Path("/tmp/sdp4bit_accuracy_gpu" + ("_bpe" if bpe else ""))
     study = SMOKE if args.smoke else Study()
     if args.report:
         from accuracy_gpu_report import write_report
 
-        write_report(args.results, args.docs)
+        write_report(args.results, args.docs, "accuracy_gpu_bpe" if bpe else "accuracy_gpu")
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    vocab = SMOKE_BPE_VOCAB if args.smoke else BPE_VOCAB
     if args.throughput:
         from accuracy_gpu_report import measure_throughput
 
-        measure_throughput(study, device, args.results)
+        measure_throughput(replace(study, vocab_size=vocab) if bpe else study, device, args.results)
         return
     pending = [n for n in names if not (args.results / f"{n}.json").exists()]
     print(f"finished: {len(names) - len(pending)} of {len(names)}; pending: {pending}", flush=True)
     if not pending:
         return
     corpus = build_corpus(limit_bytes=study.corpus_limit_bytes)
+    if bpe:
+        corpus = bpe_corpus(corpus, vocab, args.state, args.tokenizer_file)
+        study = replace(study, vocab_size=corpus.manifest["tokenizer_vocab"])
     print(f"corpus: {json.dumps(corpus.manifest)}", flush=True)
     deadline = time.time() + args.budget  # training time: the corpus is read first
     for index, name in enumerate(pending):

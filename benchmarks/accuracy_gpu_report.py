@@ -2,7 +2,8 @@
 - `measure_throughput`: tokens/s and peak memory of the simulated W-rank job against a plain
   single-GPU step of the same global batch;
 - `write_report`: docs/accuracy_gpu.md (final validation loss per preset against the baseline and
-  the paper's 125M row, seed spread, noise floor, verdicts) and docs/accuracy_gpu.png (the curves).
+  the paper's 125M row, seed spread, noise floor, verdicts) and docs/accuracy_gpu.png (the curves);
+  docs/accuracy_gpu_bpe.md and .png for the study on a BPE vocabulary.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _step_of(study, preset: str | None, device: torch.device):
     from accuracy_gpu import RankPasses, build, loss_of
 
     model, engine, _, _ = build(study, preset or "baseline", 0, device)
-    x = torch.randint(0, 256, (study.ranks * study.batch_per_rank, study.block_size + 1), device=device)
+    x = torch.randint(0, study.vocab_size, (study.ranks * study.batch_per_rank, study.block_size + 1), device=device)
     params = sum(p.numel() for p in model.parameters())
     if preset is None:
         plain = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -154,8 +155,20 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
     ]
 
 
-def write_report(results: Path, docs: Path) -> None:
-    """docs/accuracy_gpu.md and .png from every finished run in `results` (the others: pending)."""
+def _vocabulary(run: dict) -> tuple[str, str, str]:
+    """(the model's vocabulary and size, the tokenizer in a few words, the loss's unit) of a run."""
+    study, corpus = run["study"], run["corpus"]
+    vocab, width, layers = study.get("vocab_size", 256), study["n_embd"], study["n_layer"]
+    # GPT's parameters: embeddings (tokens, positions), per block 12 C^2 + 13 C, the final norm.
+    params = vocab * width + study["block_size"] * width + layers * (12 * width**2 + 13 * width) + 2 * width
+    if vocab == 256:
+        return f"byte tokens, {params / 1e6:.1f}M parameters", "bytes", "nats per byte"
+    tokenizer = f"byte-level BPE of {vocab:,} tokens, SHA-256 `{corpus['tokenizer_sha256']}`"
+    return f"BPE tokens, vocabulary {vocab:,}, {params / 1e6:.1f}M parameters", tokenizer, "nats per token"
+
+
+def write_report(results: Path, docs: Path, page: str = "accuracy_gpu") -> None:
+    """docs/<page>.md and .png from every finished run in `results` (the others: pending)."""
     from accuracy_gpu import PRESETS, run_names
 
     runs = _finished(results)
@@ -190,6 +203,8 @@ def write_report(results: Path, docs: Path) -> None:
             f"| {paper_text} |"
         )
     first = next(iter(runs.values()))[0]
+    vocabulary, tokenizer, unit = _vocabulary(first)
+    flag = "" if page == "accuracy_gpu" else " --tokenizer bpe"
     names = run_names(PRESETS, 2)
     done = sorted(r["run"] for pool in runs.values() for r in pool)
     header = [
@@ -197,21 +212,26 @@ def write_report(results: Path, docs: Path) -> None:
         "",
         "Every run is a job of 16 nodes x 4 ranks simulated on one H200 (`lightning_sdp4bit.simulation`; "
         "each rank's forward and backward replayed from a CUDA graph): the same 12 x 768 GPT (12 heads, "
-        f"{first['study']['block_size']} tokens of context, byte tokens, 86.0M parameters), the same initial "
+        f"{first['study']['block_size']} tokens of context, {vocabulary}), the same initial "
         f"weights, data order and budget: {first['tokens']:,} tokens in {first['steps']} steps of 64 x 1 x "
         f"{first['study']['block_size']}; AdamW (0.9, 0.95), weight decay 0.1, lr {first['study']['lr']} with "
         f"{100 * first['study']['warmup_fraction']:.0f}% warm-up and a cosine to {first['study']['min_lr']}, "
         "clipping at 1.0, bf16 weights; nothing tuned per preset.",
         "",
-        "- command: `python benchmarks/accuracy_gpu.py --runs all --budget 540` on the device machine, repeated "
+        f"- command: `python benchmarks/accuracy_gpu.py{flag} --runs all --budget 540` on the device machine, repeated "
         "until every run is finished (each run checkpoints on the machine's disk and resumes), then "
-        "`python benchmarks/accuracy_gpu.py --report`; results in `benchmarks/results/accuracy_gpu/`",
+        f"`python benchmarks/accuracy_gpu.py{flag} --report`; results in `benchmarks/results/{page}/`",
         f"- corpus: {first['corpus']['files']:,} source and documentation files of the device machine's "
         f"installed Python packages ({', '.join(first['corpus']['roots'])}), "
         f"{first['corpus']['train_bytes']:,} training bytes and {first['corpus']['val_bytes']:,} bytes of "
         f"held-out validation files; file list SHA-256 `{first['corpus']['file_list_sha256']}`, content "
-        f"SHA-256 `{first['corpus']['content_sha256']}`; tokenizer: bytes",
-        f"- final validation loss: nats per byte over the first {first['final_val_tokens']:,} held-out tokens",
+        f"SHA-256 `{first['corpus']['content_sha256']}`; tokenizer: {tokenizer}",
+        f"- final validation loss: {unit} over the first {first['final_val_tokens']:,} held-out tokens",
+        *(
+            [f"- data: {first['data_epochs']} passes over the training tokens, each in a new order"]
+            if first.get("data_epochs", 1) > 1
+            else []
+        ),
         f"- machine: {first['device']}, torch {first['torch']}",
         f"- finished runs ({len(done)} of {len(names)}): {', '.join(done)}; pending: "
         f"{', '.join(n for n in names if n not in done) or 'none'}",
@@ -225,14 +245,14 @@ def write_report(results: Path, docs: Path) -> None:
         "",
         *_verdicts(means, spreads, noise),
     ]
-    figure = ["", "![validation curves](accuracy_gpu.png)", "", NOTES_MARKER]
-    report = docs / "accuracy_gpu.md"
+    figure = ["", f"![validation curves]({page}.png)", "", NOTES_MARKER]
+    report = docs / f"{page}.md"
     kept = report.read_text().split(NOTES_MARKER, 1) if report.exists() else []
     report.write_text("\n".join(header + lines + verdicts + figure) + (kept[1] if len(kept) == 2 else "\n"))
-    _plot(runs, docs / "accuracy_gpu.png")
+    _plot(runs, docs / f"{page}.png", unit)
 
 
-def _plot(runs: dict[str, list[dict]], path: Path, from_step: int = 1000) -> None:
+def _plot(runs: dict[str, list[dict]], path: Path, unit: str, from_step: int = 1000) -> None:
     """Left: every run's validation curve. Right: from `from_step` on, each run against the first
     baseline run at the same step, in %, where the presets' differences (0.1-1%) show. One colour
     a preset, the same in both; a preset's first run solid, its second dashed."""
@@ -255,8 +275,10 @@ def _plot(runs: dict[str, list[dict]], path: Path, from_step: int = 1000) -> Non
                 x, y = zip(*[(step, 100 * (loss / reference[step] - 1)) for step, loss in later], strict=True)
                 late.plot(x, y, label=run["run"], **style)
     whole.set_xlabel("optimizer step")
-    whole.set_ylabel("validation loss (nats per byte)")
-    whole.set_ylim(top=min(3.0, whole.get_ylim()[1]))
+    whole.set_ylabel(f"validation loss ({unit})")
+    whole.set_ylim(
+        top=min(3.0 if unit == "nats per byte" else 8.0, whole.get_ylim()[1])
+    )  # the first evaluations off the scale
     late.set_xlabel("optimizer step")
     late.set_ylabel(f"validation loss against {runs['baseline'][0]['run'] if reference else 'the baseline'} (%)")
     late.axhline(0.0, color="black", linewidth=0.5)

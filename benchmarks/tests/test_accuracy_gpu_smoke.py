@@ -5,16 +5,25 @@
   final validation loss bit for bit (the study spans many device calls);
 - the report has a row per preset (finished or pending) and the corpus's hashes, and the plot exists;
 - a run name outside the study, a negative budget or no seeds stop the script before anything is
-  read or trained, naming the flag.
+  read or trained, naming the flag;
+- on a BPE vocabulary (--tokenizer bpe) the tiny GPT trains on the tokenizer's ids, its result
+  records the vocabulary and the tokenizer file's SHA-256, its state file is its own (not a byte
+  run's name), and its report is accuracy_gpu_bpe.md, in nats per token;
+- a study that needs more windows than the corpus holds takes a second pass in a new order, and
+  one that does not keeps the single permutation the byte runs were trained with.
 """
 
+import hashlib
 import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "accuracy_gpu.py"
@@ -86,3 +95,45 @@ def test_a_limited_corpus_reads_on_to_its_first_held_out_file(tmp_path, benchmar
     built = corpus.build_corpus([tmp_path], limit_bytes=1000)
     assert built.manifest["val_files"] == 1 and built.manifest["files"] == first + 1
     assert len(built.val) > 0 and len(built.train) > 0
+
+
+def test_smoke_study_on_a_bpe_vocabulary(tmp_path):
+    results, state, docs = tmp_path / "results", tmp_path / "state", tmp_path / "docs"
+    common = ["--tokenizer", "bpe", "--results", str(results), "--state", str(state)]
+    _study("--runs", "baseline-d0", *common)
+    run = json.loads((results / "baseline-d0.json").read_text())
+    vocab = run["corpus"]["tokenizer_vocab"]
+    assert run["study"]["vocab_size"] == vocab and 256 < vocab <= 384
+    tokenizer = Path(run["corpus"]["tokenizer_file"]).read_bytes()
+    assert hashlib.sha256(tokenizer).hexdigest() == run["corpus"]["tokenizer_sha256"]
+    curve = [loss for _, loss in run["val_curve"]]
+    assert curve[0] < math.log(vocab) + 0.5 and curve[-1] < curve[0] - 0.1
+
+    out = _study("--runs", "tlq-r0", "--budget", "0", *common)
+    assert "out of budget at step" in out and (state / f"tlq-r0-v{vocab}.pt").exists()
+    assert not (state / "tlq-r0.pt").exists()  # the name of a byte run's state
+
+    docs.mkdir()
+    _study("--report", *common, "--docs", str(docs))
+    report = (docs / "accuracy_gpu_bpe.md").read_text()
+    assert run["corpus"]["tokenizer_sha256"] in report and "nats per token" in report
+    assert "| baseline | 1 |" in report and f"vocabulary {vocab}" in report
+    assert (docs / "accuracy_gpu_bpe.png").stat().st_size > 0
+
+
+def test_a_study_longer_than_its_corpus_takes_a_second_pass(benchmark_script):
+    accuracy_gpu = benchmark_script("accuracy_gpu")
+    study = replace(accuracy_gpu.SMOKE, tokens=96 * 64)  # 24 steps of 4 windows of 64 tokens
+    device = torch.device("cpu")
+
+    def order(windows: int):
+        corpus = SimpleNamespace(train=torch.zeros(windows * 64 + 1, dtype=torch.int32), val=torch.zeros(65))
+        return accuracy_gpu.Data(corpus, study, 7, device)
+
+    single = torch.randperm(96, generator=torch.Generator().manual_seed(7))
+    enough = order(96)
+    assert enough.epochs == 1 and torch.equal(enough.order, single)  # the byte runs' order, unchanged
+    short = order(50)
+    first = torch.randperm(50, generator=torch.Generator().manual_seed(7))
+    assert short.epochs == 2 and torch.equal(short.order[:50], first)
+    assert torch.equal(short.order[50:].sort().values, torch.arange(50)) and not torch.equal(short.order[50:], first)
