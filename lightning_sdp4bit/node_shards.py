@@ -243,7 +243,10 @@ class NodeShards:
         the backward through this output (with gradients enabled)."""
         if _in_backward():
             return  # a recomputed forward (activation checkpointing): its backward follows
-        if torch.is_grad_enabled():
+        if isinstance(output, torch.Tensor):  # most modules: one hook on it, a few microseconds
+            if output.requires_grad:
+                output.register_hook(_RegatherHook(self, indices))
+        elif torch.is_grad_enabled():
             tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
             tensors = [t for t in tensors if t.requires_grad]
             if tensors:
@@ -295,7 +298,7 @@ class _RegatherHook:
         self.shards, self.indices = shards, indices
 
     def __call__(self, grad: torch.Tensor) -> None:
-        self.shards.gather(self.indices)
+        self.shards.gather(self.indices)  # returns None: the gradient passes on unchanged
 
 
 def _node_slice(bucket: Bucket) -> torch.Tensor:
