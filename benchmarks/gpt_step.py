@@ -77,9 +77,12 @@ def _no_mark(segment: str) -> None:
     pass
 
 
-def engine_step(model, engine, optimizer, tokens: torch.Tensor, mark: Callable[[str], None] = _no_mark) -> None:
+def engine_step(
+    model, engine, optimizer, tokens: torch.Tensor, mark: Callable[[str], None] = _no_mark
+) -> tuple[torch.Tensor, dict[str, float]]:
     """One optimizer step through the sharded engine's step protocol, as the Lightning adapter
-    drives it. `mark(segment)` at the end of the forward and of the backward (phase_timer.SEGMENTS)."""
+    drives it. `mark(segment)` at the end of the forward and of the backward (phase_timer.SEGMENTS).
+    Returns the loss (detached) and the step's communication figures."""
     engine.pre_forward()
     loss = lm_loss(model, tokens)
     engine.post_forward()
@@ -91,8 +94,9 @@ def engine_step(model, engine, optimizer, tokens: torch.Tensor, mark: Callable[[
     engine.clip_grad_norm(MAX_NORM)
     engine.pre_optimizer_step()
     optimizer.step()
-    engine.post_optimizer_step()
+    stats = engine.post_optimizer_step()
     optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), stats
 
 
 def plain_step(model, optimizer, tokens: torch.Tensor, mark: Callable[[str], None] = _no_mark) -> None:

@@ -48,7 +48,7 @@ from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, as_words
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
-from lightning_sdp4bit.weight_access import StackedMode
+from lightning_sdp4bit.weight_access import StackedMode, buckets_touched
 
 __all__ = ["GATHER_PREFETCH", "NodeShards", "ReleasedReadGuard", "node_rows"]
 
@@ -91,15 +91,9 @@ class ReleasedReadGuard(StackedMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        released = self.released
-        if self.active and released and not self.quiet and func not in _NO_VALUES:
-            for value in (*args, *kwargs.values()) if kwargs else args:
-                if isinstance(value, (list, tuple)):  # one level in: torch.cat, the foreach ops
-                    for item in value:
-                        if id(item) in released:
-                            self._gather(released[id(item)])
-                elif id(value) in released:
-                    self._gather(released[id(value)])
+        if self.active and self.released and not self.quiet and func not in _NO_VALUES:
+            for index in buckets_touched(self.released, args, kwargs):
+                self._gather(index)
         return func(*args, **kwargs)
 
 

@@ -43,10 +43,25 @@ from lightning_sdp4bit import ops
 if TYPE_CHECKING:
     from lightning_sdp4bit.buffers import Bucket
 
-__all__ = ["DataWriteTracker", "ReadGuard", "StackedMode", "WeightAccess"]
+__all__ = ["DataWriteTracker", "ReadGuard", "StackedMode", "WeightAccess", "buckets_touched"]
 
 # What `p.data` calls (equal, not identical, each time); a getset descriptor, not a Tensor.
 _DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
+
+
+def buckets_touched(table: dict[int, int], args: tuple, kwargs: dict) -> list[int]:
+    """The buckets (`table`: id(parameter) -> bucket) of the parameters among a torch call's
+    arguments, one level into lists (torch.cat, the foreach ops). Every torch call of a forward
+    comes through here while a guard is pushed: plain loops, no generator."""
+    found = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if id(item) in table:
+                    found.append(table[id(item)])
+        elif id(value) in table:
+            found.append(table[id(value)])
+    return found
 
 
 class StackedMode(TorchFunctionMode):
@@ -94,16 +109,9 @@ class ReadGuard(StackedMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        pending = self.pending
-        if self.active and pending:
-            # Every torch call of the forward comes through here: plain loops, no generator.
-            for value in (*args, *kwargs.values()) if kwargs else args:
-                if isinstance(value, (list, tuple)):  # one level in: torch.cat, the foreach ops
-                    for item in value:
-                        if id(item) in pending:
-                            self._wait(pending[id(item)])
-                elif id(value) in pending:
-                    self._wait(pending[id(value)])
+        if self.active and self.pending:
+            for index in buckets_touched(self.pending, args, kwargs):
+                self._wait(index)
         return func(*args, **kwargs)
 
 

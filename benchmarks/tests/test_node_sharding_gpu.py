@@ -34,16 +34,7 @@ def _steps(benchmark_script, mode):
         engine.shard_optimizer(optimizer)
         tokens = spec.tokens(device)
         for _ in range(3):
-            engine.pre_forward()
-            loss = gpt_step.lm_loss(model, tokens)
-            engine.post_forward()
-            engine.pre_backward()
-            loss.backward()
-            engine.post_backward()
-            engine.pre_optimizer_step()
-            optimizer.step()
-            stats = engine.post_optimizer_step()
-            optimizer.zero_grad(set_to_none=True)
+            loss, stats = gpt_step.engine_step(model, engine, optimizer, tokens)
             torch.cuda.synchronize()
             out["losses"].append(loss.item())
             shards = engine.primary.node_shards

@@ -20,6 +20,7 @@ import pytest
 import torch
 from distributed import run_workers
 from models import TinyLM, batch
+from states import assert_same_state
 from torch.utils.checkpoint import checkpoint
 
 from lightning_sdp4bit import SDP4BitConfig
@@ -106,19 +107,6 @@ def _job(rank, world, ranks_per_node):
     return out
 
 
-def _assert_same(node, replicated, where):
-    assert node["losses"] == replicated["losses"], where
-    for name, weight in replicated["weights"].items():
-        assert torch.equal(node["weights"][name], weight), f"{where}: weight {name}"
-    for index, (a, b) in enumerate(zip(node["masters"], replicated["masters"], strict=True)):
-        assert torch.equal(a, b), f"{where}: master shard of bucket {index}"
-    node_state, replicated_state = node["optimizer"]["state"], replicated["optimizer"]["state"]
-    assert node_state.keys() == replicated_state.keys(), where
-    for key in replicated_state:
-        for field, value in replicated_state[key].items():
-            assert torch.equal(node_state[key][field], value), f"{where}: optimizer state {key}.{field}"
-
-
 @pytest.mark.parametrize("nodes,ranks_per_node", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
 def test_node_sharding_matches_the_replicated_mode_bit_for_bit(nodes, ranks_per_node):
     world = nodes * ranks_per_node
@@ -129,7 +117,7 @@ def test_node_sharding_matches_the_replicated_mode_bit_for_bit(nodes, ranks_per_
                 node = results[rank][(model, preset, "node")]
                 replicated = results[rank][(model, preset, "replicated")]
                 where = f"{model}, {preset}, rank {rank}"
-                _assert_same(node, replicated, where)
+                assert_same_state(node, replicated, where)
                 # Between steps: every bucket released, 1/L of the weights held.
                 assert node["held"]["released"] == [True], where
                 assert all(node["held"]["nan_params"]), where

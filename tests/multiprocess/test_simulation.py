@@ -15,6 +15,7 @@ import pytest
 import torch
 from distributed import as_one_worker, run_workers
 from models import batch, make_model
+from states import assert_same_state
 
 from lightning_sdp4bit import SDP4BitConfig
 from lightning_sdp4bit.simulation import SimulatedEngine
@@ -103,19 +104,6 @@ def _simulate(preset, nodes, ranks_per_node, seed=0):
     ]
 
 
-def _assert_same(simulated, real, where):
-    assert simulated["losses"] == real["losses"], where
-    for name, weight in real["weights"].items():
-        assert torch.equal(simulated["weights"][name], weight), f"{where}: weight {name}"
-    for index, (a, b) in enumerate(zip(simulated["masters"], real["masters"], strict=True)):
-        assert torch.equal(a, b), f"{where}: master shard of bucket {index}"
-    sim_state, real_state = simulated["optimizer"]["state"], real["optimizer"]["state"]
-    assert sim_state.keys() == real_state.keys(), where
-    for key in real_state:
-        for field, value in real_state[key].items():
-            assert torch.equal(sim_state[key][field], value), f"{where}: optimizer state {key}.{field}"
-
-
 @pytest.mark.parametrize("nodes,ranks_per_node", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
 def test_simulation_matches_the_real_job_bit_for_bit(nodes, ranks_per_node):
     world = nodes * ranks_per_node
@@ -124,7 +112,7 @@ def test_simulation_matches_the_real_job_bit_for_bit(nodes, ranks_per_node):
         for preset in PRESETS:
             engine, simulated = _simulate(preset, nodes, ranks_per_node)
             for rank in range(world):
-                _assert_same(simulated[rank], real[rank][preset], f"{preset}, rank {rank}")
+                assert_same_state(simulated[rank], real[rank][preset], f"{preset}, rank {rank}")
         # The comparison sees a difference: another rounding seed moves the compressed job.
         _, reseeded = _simulate("sdp4bit", nodes, ranks_per_node, seed=1)
         assert not torch.equal(reseeded[0]["masters"][0], real[0]["sdp4bit"]["masters"][0])
