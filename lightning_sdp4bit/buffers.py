@@ -245,16 +245,16 @@ class Bucket:
         [N], or the node slice [M * S] (`node_shards`)."""
         return self.weights if self.node_slice is None else self.node_slice.view(-1)
 
-    def held_pieces(self) -> list[tuple[int, Tensor]]:
-        """(position, values) of every parameter piece in `held_weights`: each parameter whole, or
-        the fragments of the node slice's rows."""
+    def held_pieces(self) -> list[tuple[int, int, Tensor]]:
+        """(position, first element within the flattened parameter, values) of every parameter
+        piece in `held_weights`: each parameter whole, or the fragments of the node slice's rows."""
         if self.node_slice is None:
-            return [(p, self.weights[s.start : s.start + s.numel]) for p, s in enumerate(self.layout.slots)]
+            return [(p, 0, self.weights[s.start : s.start + s.numel]) for p, s in enumerate(self.layout.slots)]
         position = {slot.name: p for p, slot in enumerate(self.layout.slots)}
         local_ranks = self.layout.world_size // len(self.node_slice)
         local = self.rank % local_ranks
         return [
-            (position[frag.name], row[frag.shard_start : frag.shard_start + frag.numel])
+            (position[frag.name], frag.param_start, row[frag.shard_start : frag.shard_start + frag.numel])
             for node, row in enumerate(self.node_slice)
             for frag in self.layout.fragments(node * local_ranks + local)
         ]

@@ -20,8 +20,8 @@ draws the same with the window's phases; `schedule.WindowPhase`):
 
 and, outside the step: `shard_optimizer`, `wait_weights` (weights complete for a reader),
 `tracking_weight_writes` (a hook's writes through `.data` count), `before_save` (edits in, all
-finite), `weights_loaded` / `restore_step` (after a checkpoint), `running_as` (a simulated job's
-rank), `close`. Every check
+finite), `before_weights_load` / `weights_loaded` / `restore_step` (around a checkpoint's load),
+`running_as` (a simulated job's rank), `close`. Every check
 of a step (the trained set, the buffers, the read guard, weight edits, the verdict) sits behind
 these calls, so no front end can forget one. Each runs under a `sdp4bit::<name>` profiler label.
 
@@ -407,6 +407,14 @@ class ShardedEngine:
         count as writes (`weight_access.DataWriteTracker`)."""
         return self.primary.access.tracking_data_writes()
 
+    def before_weights_load(self) -> None:
+        """The weights this rank holds are about to be overwritten from outside (a checkpoint):
+        with the weights sharded inside the node, gathered copies are dropped, not written back."""
+        self.wait_weights()
+        for rank in self.ranks:
+            if rank.node_shards is not None:
+                rank.node_shards.release(range(len(rank.buckets)), keep=False)
+
     def weights_loaded(self) -> None:
         """The weights were written from outside (rank 0's broadcast at setup, a checkpoint): take
         them as the applied ones (no exchange wrote them, so none left the applied shards)."""
@@ -421,10 +429,8 @@ class ShardedEngine:
     def gather_weight_shards(self) -> None:
         """Make every rank's weights (its node slices, with the weights sharded inside the node) the
         ranks' own weight shards, gathered (after a checkpoint restored each rank's shard). Collective."""
-        shards = self.primary.node_shards
-        group = self.groups.world if shards is None else self.groups.inter  # into the weights, or the node slices
-        if shards is not None:
-            shards.release(range(len(self.buckets)), keep=False)  # a gathered copy would be the old weights
+        group = self.groups.world if self.primary.node_shards is None else self.groups.inter
+        self.before_weights_load()
         with torch.no_grad():
             for bucket in self.buckets:
                 own = bucket.weight_shard.clone()

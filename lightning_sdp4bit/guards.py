@@ -144,7 +144,7 @@ def finite_flags(fragments: Iterable[Any], buckets: Iterable[Any], world: int, r
         where.append((0, record.param_index))
     offset = 0
     for bucket in buckets:
-        for position, values in bucket.held_pieces():
+        for position, _, values in bucket.held_pieces():
             checks.append(torch.isfinite(values).all())
             where.append((1, offset + position))
         offset += len(bucket.layout.slots)

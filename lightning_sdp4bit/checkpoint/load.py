@@ -332,10 +332,15 @@ def _check_full_state(
 def _apply_full_state(
     engine: ShardedEngine, optimizers: list[torch.optim.Optimizer] | None, full: dict[str, Any]
 ) -> None:
+    engine.before_weights_load()
     with torch.no_grad():
         for bucket in engine.buckets:
-            for slot, param in zip(bucket.layout.slots, bucket.params, strict=True):
-                param.copy_(full["weights"].get(slot.name, full["masters"][slot.name]).view(slot.shape))
+            # Straight into the weights this rank holds (with weight_sharding="node", its node
+            # slices: no bucket is gathered whole to be written).
+            for position, start, values in bucket.held_pieces():
+                slot = bucket.layout.slots[position]
+                source = full["weights"].get(slot.name, full["masters"][slot.name]).reshape(-1)
+                values.copy_(source[start : start + values.numel()])
             for frag in bucket.layout.fragments(engine.topology.rank):
                 source = full["masters"][frag.name].reshape(-1)[frag.param_start : frag.param_start + frag.numel]
                 bucket.master[frag.shard_start : frag.shard_start + frag.numel].copy_(source)

@@ -7,6 +7,8 @@ against "replicated", bit for bit:
 - a module built in configure_model is on the meta device under "node" and trains to the weights
   of the same module built on the CPU by the same initialization steps;
 - Fabric with no_backward_sync accumulation and clipping;
+- a checkpoint of 4 ranks resumes on 2 (the full-state path, written into the node slices) with
+  the weights consolidate_checkpoint gives;
 - a bad weight_sharding names the field; a compiled module is refused before the engine exists.
 """
 
@@ -179,3 +181,35 @@ def _fit_compiled(rank, world):
 
 def test_a_compiled_module_is_refused_before_the_engine_is_built():
     assert all("uncompiled" in message for message in run_workers(_fit_compiled, 2))
+
+
+def _save_node(rank, world, path):
+    _fit(world, "node", STEPS, save_to=path)
+
+
+def _resume_elsewhere(rank, world, path):
+    """Resume on 2 ranks (1 node of 2) what 4 saved: the full-state path, written into the node
+    slices; what the engine holds before the first step, gathered."""
+    module = TinyLMModule(**DATA)
+    trainer = make_trainer(
+        world, sdp4bit(preset="sdp4bit", ranks_per_node=2, weight_sharding="node"), max_steps=STEPS + 1
+    )
+    loaded = {}
+
+    def grab(*args):
+        loaded.update({n: p.detach().float().clone() for n, p in module.model.named_parameters()})
+
+    module.on_train_start = grab
+    trainer.fit(module, ckpt_path=path)
+    return loaded
+
+
+def test_a_node_checkpoint_resumes_on_another_world_size_with_its_weights(tmp_path):
+    from lightning_sdp4bit.checkpoint import consolidate_checkpoint
+
+    path = str(tmp_path / "node4.ckpt")
+    run_workers(_save_node, 4, path)
+    saved = consolidate_checkpoint(path, str(tmp_path / "plain.ckpt"), weights="module")["state_dict"]
+    for loaded in run_workers(_resume_elsewhere, 2, path):
+        for name, weight in loaded.items():
+            assert torch.equal(weight, saved[f"model.{name}"].float()), name
