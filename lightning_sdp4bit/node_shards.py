@@ -37,8 +37,8 @@ each forward and each backward, on NVLink; its gain: (L - 1)/L of the weights' b
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Generator, Iterable, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -80,18 +80,17 @@ def node_rows(bucket: Bucket, topology: Topology) -> torch.Tensor:
 
 class ReleasedReadGuard(StackedMode):
     """Gathers a released bucket before any torch operation that reads one of its parameters'
-    values (`_NO_VALUES` says what does not). Pushed for the engine's life; off while the engine
-    itself swaps the parameters' storage (`quiet`)."""
+    values (`_NO_VALUES` says what does not). Pushed for the engine's life; the engine's own
+    swaps of the parameters' storage run with torch function modes off (`_internal`)."""
 
     def __init__(self, gather: Callable[[int], None]):
         super().__init__()
         self._gather = gather
         self.released: dict[int, int] = {}  # id(parameter) -> its bucket, for released buckets
-        self.quiet = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.active and self.released and not self.quiet and func not in _NO_VALUES:
+        if self.active and self.released and func not in _NO_VALUES:
             for index in buckets_touched(self.released, args, kwargs):
                 self._gather(index)
         return func(*args, **kwargs)
@@ -171,7 +170,7 @@ class NodeShards:
             self._start(index)
         work, landed = self._landing.pop(index)
         bucket, nodes, local_ranks = self.buckets[index], self.topology.nodes, self.topology.ranks_per_node
-        with torch.no_grad(), self._quiet(), self.timeouts.named("intra-node weight gather", index):
+        with torch.no_grad(), self._internal(), self.timeouts.named("intra-node weight gather", index):
             work.wait()
             if nodes == 1:  # local-major is rank order
                 full = landed.view(-1)
@@ -195,7 +194,7 @@ class NodeShards:
             if not self.gathered[index]:
                 continue
             bucket = self.buckets[index]
-            with torch.no_grad(), self._quiet():
+            with torch.no_grad(), self._internal():
                 if keep:
                     _node_slice(bucket).copy_(node_rows(bucket, self.topology))
                 if self.closed:  # no guard gathers any more: the module keeps its weights
@@ -208,14 +207,12 @@ class NodeShards:
     def release_all(self) -> None:
         self.release(range(len(self.buckets)))
 
-    @contextmanager
-    def _quiet(self) -> Generator[None, None, None]:
-        """The engine's own reads and swaps of the parameters: the guard lets them pass."""
-        previous, self.guard.quiet = self.guard.quiet, True
-        try:
-            yield
-        finally:
-            self.guard.quiet = previous
+    @staticmethod
+    def _internal() -> AbstractContextManager:
+        """The engine's own reads and swaps of the parameters: no torch function mode sees them (the
+        guard would gather what is being released; and each of its calls costs a Python call:
+        a third of the guard's calls in a step were these)."""
+        return torch._C.DisableTorchFunction()
 
     @staticmethod
     def _reads_for_backward() -> bool:
