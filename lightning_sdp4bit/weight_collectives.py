@@ -69,9 +69,11 @@ class _RowGather:
         has one, `_TwoLevelGather`). With `local_major`, a two-level gather leaves the rows as
         they land, [L, M, R] (rank m * L + l's row at l * M + m), and `nodes` is M; otherwise they
         are in rank order and `nodes` is 1: the layout as `ops.weight_update_apply` takes it."""
-        self.meter.record("weight", row.nbytes, elements, uncompressed)
         if self.across_nodes_only:
+            if self.topology.has_inter_stage:  # with one node nothing travels
+                self.meter.record("weight", row.nbytes, elements, uncompressed)
             return self._across_nodes(rows, row, finish)
+        self.meter.record("weight", row.nbytes, elements, uncompressed)
         if self.topology.two_level:
             # Counted now, with the step that sends it, although on the CPU it goes out later.
             nodes = self.topology.nodes

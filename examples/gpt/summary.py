@@ -83,14 +83,17 @@ class RunSummary(L.Callback):
             },
         }
         log_dir = trainer.log_dir  # a collective: every process must ask
+        # Every rank samples (rank 0 prints): with sdp4bit.weight_sharding=node each forward gathers
+        # weights inside the node, which all of the node's ranks must do together.
+        sample = generate_text(pl_module.gpt, "The ", self.sample_bytes) if self.sample_bytes else None
         if trainer.is_global_zero:
             if log_dir is not None:
                 with open(os.path.join(log_dir, "summary.json"), "w") as f:
                     json.dump(self.summary, f, indent=2)
             print(format_summary(self.summary))
-            if self.sample_bytes:
+            if sample is not None:
                 print(f"\nsample from the trained model ({self.sample_bytes} bytes after 'The '):\n")
-                print(generate_text(pl_module.gpt, "The ", self.sample_bytes))
+                print(sample)
 
 
 def human_bytes(n: float) -> str:

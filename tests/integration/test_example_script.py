@@ -11,7 +11,9 @@ Checks:
   4.016 bits per weight and 4.25 per gradient across nodes), a decoded sample, summary.json and a
   metrics.csv with the validation curve;
 - `sdp4bit.simulate=2x2` trains as a job of 4 ranks in one process: the summary counts every
-  simulated rank's tokens and bytes.
+  simulated rank's tokens and bytes;
+- `sdp4bit.weight_sharding=node` on 2 processes of one node trains, counts its gathers, sends
+  nothing across nodes, and samples after fit (a forward every rank of the node takes part in).
 """
 
 import json
@@ -135,3 +137,28 @@ def test_simulated_job_runs_from_the_example(tmp_path):
     summary = json.loads((tmp_path / "runs" / "version_0" / "summary.json").read_text())
     assert summary["train_tokens"] == 4 * 4 * 2 * 32  # steps x simulated ranks x batch x context
     assert summary["bits_per_element"]["grad_inter"] == pytest.approx(4 + 32 / 128)
+
+
+def test_node_sharded_job_runs_from_the_example_and_samples_on_every_rank(tmp_path):
+    result = run_script(
+        f"trainer.out_dir={tmp_path / 'runs'}",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "sdp4bit.ranks_per_node=2",
+        "sdp4bit.weight_sharding=node",
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=32",
+        "data.batch_size=2",
+        "trainer.max_steps=4",
+        "trainer.val_every=4",
+        "data.val_batches=2",
+        "trainer.progress_bar=false",
+        "trainer.sample_bytes=20",  # a forward after fit: collective inside the node, on every rank
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "sample from the trained model (20 bytes after 'The '):" in result.stdout
+    summary = json.loads((tmp_path / "runs" / "version_0" / "summary.json").read_text())
+    assert summary["bits_per_element"]["weight_gather"] == 32  # fp32 weights gathered inside the node
+    assert "weight" not in summary["bits_per_element"]  # one node: nothing crosses a network
