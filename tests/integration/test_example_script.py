@@ -116,20 +116,26 @@ def test_short_run_on_non_utf8_text_ends_with_the_summary(tmp_path):
     assert val[-1] == pytest.approx(summary["final_val_loss"])
 
 
+# A 1-layer, 32-wide GPT for 4 steps of batch 2, validated once at the end on 2 batches.
+FOUR_TINY_STEPS = (
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=32",
+    "data.batch_size=2",
+    "trainer.max_steps=4",
+    "trainer.val_every=4",
+    "data.val_batches=2",
+    "trainer.progress_bar=false",
+)
+
+
 def test_simulated_job_runs_from_the_example(tmp_path):
     result = run_script(
         f"trainer.out_dir={tmp_path / 'runs'}",
         "trainer.accelerator=cpu",
         "sdp4bit.simulate=2x2",
-        "model.n_layer=1",
-        "model.n_embd=32",
-        "model.n_head=2",
-        "model.block_size=32",
-        "data.batch_size=2",
-        "trainer.max_steps=4",
-        "trainer.val_every=4",
-        "data.val_batches=2",
-        "trainer.progress_bar=false",
+        *FOUR_TINY_STEPS,
         "trainer.sample_bytes=0",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -146,15 +152,7 @@ def test_node_sharded_job_runs_from_the_example_and_samples_on_every_rank(tmp_pa
         "trainer.devices=2",
         "sdp4bit.ranks_per_node=2",
         "sdp4bit.weight_sharding=node",
-        "model.n_layer=1",
-        "model.n_embd=32",
-        "model.n_head=2",
-        "model.block_size=32",
-        "data.batch_size=2",
-        "trainer.max_steps=4",
-        "trainer.val_every=4",
-        "data.val_batches=2",
-        "trainer.progress_bar=false",
+        *FOUR_TINY_STEPS,
         "trainer.sample_bytes=20",  # a forward after fit: collective inside the node, on every rank
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
