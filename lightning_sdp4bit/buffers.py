@@ -48,6 +48,7 @@ __all__ = [
     "as_words",
     "bucket_layouts",
     "layout_signature",
+    "node_slice_pieces",
     "plan_buckets",
     "shard_alignment",
 ]
@@ -250,14 +251,7 @@ class Bucket:
         piece in `held_weights`: each parameter whole, or the fragments of the node slice's rows."""
         if self.node_slice is None:
             return [(p, 0, self.weights[s.start : s.start + s.numel]) for p, s in enumerate(self.layout.slots)]
-        position = {slot.name: p for p, slot in enumerate(self.layout.slots)}
-        local_ranks = self.layout.world_size // len(self.node_slice)
-        local = self.rank % local_ranks
-        return [
-            (position[frag.name], frag.param_start, row[frag.shard_start : frag.shard_start + frag.numel])
-            for node, row in enumerate(self.node_slice)
-            for frag in self.layout.fragments(node * local_ranks + local)
-        ]
+        return node_slice_pieces(self.layout, self.rank, self.node_slice)
 
     def hold_node_slice(self, nodes: int, local_ranks: int, rows: Tensor | None = None) -> None:
         """Keep rows rank % L, L + rank % L, ... of the (full) weights as the node slice [M, S]
@@ -394,6 +388,18 @@ class Bucket:
         self.grads = None
         self.received = set()
         self.held = {}
+
+
+def node_slice_pieces(layout: BucketLayout, rank: int, node_slice: Tensor) -> list[tuple[int, int, Tensor]]:
+    """(slot position, first element within the flattened parameter, view) of every parameter
+    fragment in `rank`'s node slice [M, S] of `layout` (`node_shards`: row m is shard m * L + rank % L)."""
+    position = {slot.name: p for p, slot in enumerate(layout.slots)}
+    local_ranks = layout.world_size // len(node_slice)
+    return [
+        (position[frag.name], frag.param_start, row[frag.shard_start : frag.shard_start + frag.numel])
+        for node, row in enumerate(node_slice)
+        for frag in layout.fragments(node * local_ranks + rank % local_ranks)
+    ]
 
 
 def allocate_buckets(

@@ -17,13 +17,12 @@ the ranks, catches a job that did not, before any step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_sdp4bit import comm
-from lightning_sdp4bit.buffers import Bucket, BucketLayout
+from lightning_sdp4bit.buffers import Bucket, BucketLayout, node_slice_pieces
 from lightning_sdp4bit.config import SDP4BitConfig
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 
@@ -67,6 +66,7 @@ def materialize_node_slices(
     nodes, local_ranks = topology.nodes, topology.ranks_per_node
     slices = [torch.zeros(nodes, layout.shard_numel, dtype=layout.dtype, device=device) for layout in layouts]
     slot_of = {slot.name: (layout, slot) for layout in layouts for slot in layout.slots}
+    pieces = [node_slice_pieces(layout, topology.rank, rows) for layout, rows in zip(layouts, slices, strict=True)]
     made: dict[int, nn.Parameter] = {}  # id(meta parameter) -> the parameter that replaces it
     sums: dict[str, Tensor] = {}
     for name, owner in module.named_modules():
@@ -94,7 +94,10 @@ def materialize_node_slices(
             for _, old in metas:
                 if id(old) in names:
                     layout, slot = slot_of[names[id(old)]]
-                    _keep_rows(made[id(old)], layout, slot, slices[layout.index], topology)
+                    flat = made[id(old)].detach().reshape(-1)
+                    for position, start, piece in pieces[layout.index]:
+                        if layout.slots[position] is slot:  # this rank's rows of it
+                            piece.copy_(flat[start : start + piece.numel()])
                     sums[slot.name] = made[id(old)].detach().double().sum()
                     made[id(old)].data = _nan(layout.dtype, device).expand(slot.shape)
     _check_alike(sums, groups, timeouts)
@@ -114,16 +117,6 @@ def materialize_node_slices(
 
 def _nan(dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((1,), float("nan"), dtype=dtype, device=device)
-
-
-def _keep_rows(param: Tensor, layout: BucketLayout, slot: Any, node_slice: Tensor, topology: Topology) -> None:
-    """Copy the pieces of `param` that fall in this rank's node-slice rows [M, S] of its bucket."""
-    flat = param.detach().reshape(-1)
-    for node in range(topology.nodes):
-        lo, hi = layout.shard_bounds(node * topology.ranks_per_node + topology.local_index)
-        start, end = max(lo, slot.start), min(hi, slot.start + slot.numel)
-        if start < end:
-            node_slice[node, start - lo : end - lo].copy_(flat[start - slot.start : end - slot.start])
 
 
 def _check_alike(sums: dict[str, Tensor], groups: ProcessGroups, timeouts: comm.Timeouts) -> None:
