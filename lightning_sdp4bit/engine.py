@@ -66,6 +66,7 @@ from lightning_sdp4bit.rank import ShardedRank
 from lightning_sdp4bit.schedule import WindowPhase, exchange_stream
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
+from lightning_sdp4bit.weight_access import unseen
 
 __all__ = ["ShardedEngine"]
 
@@ -244,6 +245,7 @@ class ShardedEngine:
                 rank.node_shards.before_backward()
             self.check_trained_set()
 
+    @unseen
     def on_grad_ready(self, index: int, position: int) -> None:
         """From a parameter's post-accumulate-grad hook, once its .grad is complete."""
         param = self._current.buckets[index].params[position]
@@ -265,6 +267,7 @@ class ShardedEngine:
                 param.grad = None
         self._current.receive_all(taken, synced=self._reduces_in_backward)
 
+    @unseen
     def post_backward(self) -> None:
         """After the backward of every rank this engine runs: in the synced backward (outside
         `no_sync`, automatic optimization) the exchanges finish and the step is decided."""
@@ -301,6 +304,7 @@ class ShardedEngine:
         self._reduce()
         return gradients_on_parameters(self.primary)
 
+    @unseen
     def clip_grad_norm(self, max_norm: float) -> Tensor:
         """Scale every rank's gradient shards so that the global 2-norm is at most `max_norm`, as
         torch.nn.utils.clip_grad_norm_ does (the verdict's norm, unless the shards changed since);
@@ -312,6 +316,7 @@ class ShardedEngine:
             norms = [rank.clip(sums, max_norm) for rank, sums in zip(self.ranks, pending, strict=True)]
         return norms[0]
 
+    @unseen
     def clip_grad_value(self, clip_value: float) -> None:
         """Clamp every rank's reduced gradients to [-clip_value, clip_value], elementwise, as
         torch.nn.utils.clip_grad_value_ does. Collective (it reduces first)."""
@@ -321,6 +326,7 @@ class ShardedEngine:
                 torch._foreach_clamp_min_([b.grad_shard for b in rank.buckets], -clip_value)
                 torch._foreach_clamp_max_([b.grad_shard for b in rank.buckets], clip_value)
 
+    @unseen
     def pre_optimizer_step(self) -> None:
         """Right before the optimizer steps: reduce if nothing did yet, take weight edits into the
         masters (`WeightAccess.absorb`), then arm the verdict: a parameter that got no gradient
@@ -333,6 +339,7 @@ class ShardedEngine:
                 rank.absorb_weight_edits()
                 rank.arm()
 
+    @unseen
     def post_optimizer_step(self) -> dict[str, float]:
         """After the optimizer step: every bucket's weight exchange starts (none on a skipped
         step), the first layers' first. A forward waits for each module's own buckets, and until

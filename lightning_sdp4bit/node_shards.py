@@ -18,11 +18,12 @@ kept, as it would be in the replicated mode's weights) and the parameters point 
 placeholder of their shape: any read that escapes the engine shows up as NaN, not as stale values.
 
 When is a bucket gathered, and when released:
-- a module's forward pre-hook gathers the buckets of its own parameters; its forward hook
-  releases each once every module owning parameters in it has run forward (not inside backward,
-  where activation checkpointing recomputes forwards whose backward follows at once), and, with
-  gradients enabled, registers a hook on the outputs that gathers them again before that part
-  of backward runs;
+- a module's forward pre-hook gathers the buckets of its own parameters, and releases those
+  every user of which (every module owning parameters in it) has run forward. So the buckets of
+  the forward's last modules (a tied output head's) stay for the backward, which starts with
+  them, as FSDP2 keeps its root's; not inside backward, where activation checkpointing recomputes
+  forwards whose backward follows at once. With gradients enabled its forward hook registers a
+  hook on the outputs that gathers them again before that part of backward runs;
 - any other torch operation on a released parameter (a weight read outside its module's
   forward: a functional tied head, a penalty over the parameters, a callback) gathers its
   bucket first (`ReleasedReadGuard`). Gathered so in a forward with gradients enabled, the
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, as_words
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
-from lightning_sdp4bit.weight_access import StackedMode, buckets_touched
+from lightning_sdp4bit.weight_access import StackedMode, buckets_touched, unseen
 
 __all__ = ["GATHER_PREFETCH", "NodeShards", "ReleasedReadGuard", "node_rows"]
 
@@ -81,7 +81,7 @@ def node_rows(bucket: Bucket, topology: Topology) -> torch.Tensor:
 class ReleasedReadGuard(StackedMode):
     """Gathers a released bucket before any torch operation that reads one of its parameters'
     values (`_NO_VALUES` says what does not). Pushed for the engine's life; the engine's own
-    swaps of the parameters' storage run with torch function modes off (`_internal`)."""
+    swaps of the parameters' storage run with torch function modes off (`weight_access.unseen`)."""
 
     def __init__(self, gather: Callable[[int], None]):
         super().__init__()
@@ -121,6 +121,7 @@ class NodeShards:
         self._waiting_users: list[set[int]] = [set() for _ in buckets]  # modules yet to run forward, per bucket
         self._users: list[set[int]] = [set() for _ in buckets]  # modules owning parameters in each bucket
         self._arrived: list[int] = [0] * len(buckets)  # gradients in by this backward, per bucket
+        self._forward_done: list[int] = []  # buckets every user of which ran forward: released at the next module's
         self._landing: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> its gather in flight, [L, M * S]
         self.guard = ReleasedReadGuard(lambda index: self.gather([index], sticky=self._reads_for_backward()))
         for index, bucket in enumerate(buckets):
@@ -133,6 +134,7 @@ class NodeShards:
     # ----------------------------------------------------------------------------------------
     # Gathering and releasing
 
+    @unseen
     def gather(self, indices: Iterable[int], sticky: bool = False) -> None:
         """Make these buckets' full weights the parameters' storage again, then start the gathers
         of the next `GATHER_PREFETCH` buckets in the order the pass reaches them (forward: the
@@ -170,7 +172,7 @@ class NodeShards:
             self._start(index)
         work, landed = self._landing.pop(index)
         bucket, nodes, local_ranks = self.buckets[index], self.topology.nodes, self.topology.ranks_per_node
-        with torch.no_grad(), self._internal(), self.timeouts.named("intra-node weight gather", index):
+        with torch.no_grad(), self.timeouts.named("intra-node weight gather", index):
             work.wait()
             if nodes == 1:  # local-major is rank order
                 full = landed.view(-1)
@@ -184,6 +186,7 @@ class NodeShards:
         for param in bucket.params:
             self.guard.released.pop(id(param), None)
 
+    @unseen
     def release(self, indices: Iterable[int], keep: bool = True) -> None:
         """Keep this rank's rows of these buckets in their node slices (unless not `keep`: the
         node slices are about to be overwritten) and let the full weights go."""
@@ -194,7 +197,7 @@ class NodeShards:
             if not self.gathered[index]:
                 continue
             bucket = self.buckets[index]
-            with torch.no_grad(), self._internal():
+            with torch.no_grad():
                 if keep:
                     _node_slice(bucket).copy_(node_rows(bucket, self.topology))
                 if self.closed:  # no guard gathers any more: the module keeps its weights
@@ -208,13 +211,6 @@ class NodeShards:
         self.release(range(len(self.buckets)))
 
     @staticmethod
-    def _internal() -> AbstractContextManager:
-        """The engine's own reads and swaps of the parameters: no torch function mode sees them (the
-        guard would gather what is being released; and each of its calls costs a Python call:
-        a third of the guard's calls in a step were these)."""
-        return torch._C.DisableTorchFunction()
-
-    @staticmethod
     def _reads_for_backward() -> bool:
         """Whether a read now may be saved by autograd for a backward still to come."""
         return torch.is_grad_enabled() and not _in_backward()
@@ -226,12 +222,19 @@ class NodeShards:
         for index in indices:
             self._users[index].add(id(module))
 
+    @unseen
     def before_module_forward(self, indices: list[int]) -> None:
+        """Release what the forward is done with (unless this module uses it too), then gather
+        this module's buckets."""
+        done = [index for index in self._forward_done if index not in indices and index not in self.sticky]
+        self._forward_done = []
+        self.release(done)
         self.gather(indices)
 
+    @unseen
     def after_module_forward(self, module: nn.Module, indices: list[int], output: Any) -> None:
-        """Release the buckets every user of which has run forward, and gather them again before
-        the backward through this output (with gradients enabled)."""
+        """Note the buckets every user of which has run forward (the next module's forward releases
+        them), and gather them again before the backward through this output (with gradients enabled)."""
         if _in_backward():
             return  # a recomputed forward (activation checkpointing): its backward follows
         if isinstance(output, torch.Tensor):  # most modules: one hook on it, a few microseconds
@@ -245,15 +248,19 @@ class NodeShards:
         for index in indices:
             waiting = self._waiting_users[index]
             waiting.discard(id(module))
-            if not waiting and index not in self.sticky:
-                self.release([index])
+            if not waiting and index not in self._forward_done:
+                self._forward_done.append(index)
 
     def before_forward(self) -> None:
         """Release what a read gathered since the last step (a callback's) and no backward needs:
         the forward gathers what it uses."""
+        self._forward_done = []
         self.release([i for i, gathered in enumerate(self.gathered) if gathered and i not in self.sticky])
 
     def before_backward(self) -> None:
+        """The last modules' buckets, not released after their forward, serve the backward that
+        starts with them; they go once their gradients are in."""
+        self._forward_done = []
         self._arrived = [0] * len(self.buckets)
 
     def grad_arrived(self, index: int) -> None:

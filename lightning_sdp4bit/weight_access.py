@@ -30,9 +30,10 @@ backward receives a gradient (`WeightAccess.grad_arrived`).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,10 +44,27 @@ from lightning_sdp4bit import ops
 if TYPE_CHECKING:
     from lightning_sdp4bit.buffers import Bucket
 
-__all__ = ["DataWriteTracker", "ReadGuard", "StackedMode", "WeightAccess", "buckets_touched"]
+__all__ = ["DataWriteTracker", "ReadGuard", "StackedMode", "WeightAccess", "buckets_touched", "unseen"]
 
 # What `p.data` calls (equal, not identical, each time); a getset descriptor, not a Tensor.
 _DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def unseen(method: _Method) -> _Method:
+    """Run `method` with torch function modes off: the engine's own torch calls (on its buffers,
+    on the parameters' storage) are not user reads, and a guard that saw them would pay a Python
+    call each, thousands in a step (every bucket's encode, decode and bookkeeping). Not for code
+    that runs inside a compiled forward (the forward pre-hooks): dynamo would trace the switch."""
+
+    @functools.wraps(method)
+    def without_modes(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return method(*args, **kwargs)
+
+    return without_modes  # type: ignore[return-value]
 
 
 def buckets_touched(table: dict[int, int], args: tuple, kwargs: dict) -> list[int]:

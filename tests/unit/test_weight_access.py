@@ -8,12 +8,17 @@
   leaves other tensors' `.data` alone;
 - WeightAccess.absorb takes into this rank's master shard a written parameter's whole range
   (even a write of the same value) and, of unwritten parameters, only the elements that changed
-  (a NaN too; -0.0 over +0.0 is no change); taking the same writes in again changes nothing.
+  (a NaN too; -0.0 over +0.0 is no change); taking the same writes in again changes nothing;
+- the engine's own torch calls (each bucket's encode, decode, gathers and releases, in hooks and
+  in the step protocol) reach no torch function mode: with the weights sharded inside the node,
+  a mode pushed by the user sees the forward's own operations and nothing else of a step.
 """
 
+import math
 from types import SimpleNamespace
 
 import torch
+from emulated import emulated_engine
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -112,3 +117,46 @@ def test_absorb_takes_written_parameters_whole_and_changed_elements_of_the_other
     for _ in range(2):  # the second time: the same writes, nothing changes
         access.absorb()
         assert torch.equal(master.view(torch.int32), expected.view(torch.int32))
+
+
+class _Recorder(TorchFunctionMode):
+    """Records the name of every torch call that reaches it (a user's mode, pushed above the engine's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_engines_own_torch_calls_reach_no_torch_function_mode(benchmark_script):
+    def forward(model, x):
+        return model(x).square().mean()
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), torch.randn(4, 64)
+    with _Recorder() as plain:
+        forward(model, x)
+    with emulated_engine(benchmark_script, model, bucket_numel=64 * 64 + 64, weight_sharding="node") as engine:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine.shard_optimizer(optimizer)
+        for _ in range(2):  # the second forward gathers what the first step's exchange wrote
+            engine.zero_grad()
+            engine.pre_forward()
+            with _Recorder() as in_forward:
+                loss = forward(model, x)
+            engine.post_forward()
+            engine.pre_backward()
+            with _Recorder() as in_step:
+                loss.backward()  # the gradient hooks encode each bucket, the regather hooks gather
+                engine.post_backward()
+                engine.clip_grad_norm(1.0)
+                engine.pre_optimizer_step()
+            optimizer.step()
+            with in_step:
+                stats = engine.post_optimizer_step()  # the weight exchange: encode, send, decode
+            assert in_forward.seen == plain.seen  # gathers in the pre-hooks, releases in the hooks: unseen
+            assert in_step.seen == ["backward"]
+        assert math.isfinite(loss.item()) and stats["weight_gather_bytes"] > 0

@@ -10,11 +10,11 @@
   new window drops what was held.
 """
 
-import contextlib
 from unittest import mock
 
 import pytest
 import torch
+from emulated import emulated_engine
 from torch import nn
 
 from lightning_sdp4bit.buffers import HeldGrads, allocate_buckets, plan_buckets
@@ -170,20 +170,13 @@ def test_a_new_window_drops_held_gradients():
     assert bucket.held == {} and not bucket.take_grads().any()
 
 
-@contextlib.contextmanager
-def _emulated_engine(benchmark_script):
-    """Rank 0 of 2 nodes x 4 on the emulated network (CPU): a two-layer MLP in two buckets, sdp4bit."""
-    from lightning_sdp4bit.config import SDP4BitConfig
-    from lightning_sdp4bit.engine import ShardedEngine
-    from lightning_sdp4bit.topology import Topology
+def _two_layers() -> nn.Module:
+    """A two-layer MLP that the config below puts in two buckets."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
 
-    topology = Topology(0, 8, 4)
-    network = benchmark_script("emulation").Network(torch.device("cpu"), topology, "own")
-    with network.install():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
-        config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=4, bucket_numel=64 * 64 + 64)
-        yield model, ShardedEngine(model, config, topology, network.groups())
+
+_TWO_BUCKETS = {"bucket_numel": 64 * 64 + 64}
 
 
 def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in_once(benchmark_script, monkeypatch):
@@ -201,7 +194,8 @@ def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in
             return _method(self, *args, **kwargs)
 
         monkeypatch.setattr(Bucket, name, counting)
-    with _emulated_engine(benchmark_script) as (model, engine):
+    model = _two_layers()
+    with emulated_engine(benchmark_script, model, **_TWO_BUCKETS) as engine:
         buckets, params = len(engine.buckets), sum(len(b.params) for b in engine.buckets)
         assert buckets == 2 and params == 4
         with engine.no_sync():  # a micro-batch outside the sync
@@ -215,7 +209,6 @@ def test_the_engine_holds_a_synced_backwards_gradients_and_copies_each_bucket_in
         engine.post_backward()
         assert calls == {"receive_grad": params, "receive_grads": buckets}
         assert all(bucket.received == set(range(len(bucket.params))) for bucket in engine.buckets)
-        engine.close()
 
 
 def test_a_bucket_whose_every_gradient_is_held_hands_them_over_where_they_lie():
@@ -251,13 +244,13 @@ def test_the_compressed_exchange_reads_held_gradients_in_place_with_the_bytes_of
 
     def shards(in_place):
         monkeypatch.setattr(TwoLevelGradReduceScatter, "reads_in_place", in_place)
-        with _emulated_engine(benchmark_script) as (model, engine):
+        model = _two_layers()
+        with emulated_engine(benchmark_script, model, **_TWO_BUCKETS) as engine:
             engine.pre_backward()
             with mock.patch.object(torch, "cat", wraps=torch.cat) as cats:
                 model(torch.randn(8, 64)).square().mean().backward()
                 engine.post_backward()
             result = [bucket.grad_shard.clone() for bucket in engine.buckets]
-            engine.close()
         return result, cats.call_count
 
     (in_place, in_place_cats), (buffered, buffered_cats) = shards(True), shards(False)
