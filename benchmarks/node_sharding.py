@@ -4,26 +4,30 @@ emulated job (benchmarks/emulation.py: every collective a loopback that takes th
 On the H200 (from the repository root, the package installed or on PYTHONPATH):
 
     python3 benchmarks/node_sharding.py --models 6.7b-ckpt --nodes 16 --ranks-per-node 4 \
-        --scenarios nvlink,eth100 --json 6.7b.json                      # both modes
+        --scenarios nvlink,eth100 --repeat 3 --json 6.7b.json           # both modes, medians of 3
     python3 benchmarks/node_sharding.py --models 70b-ckpt --nodes 16 --ranks-per-node 8 \
         --modes node,replicated --scenarios nvlink,eth100,ib400 --bucket-numel 1e8 --json 70b.json
     python3 benchmarks/node_sharding.py --dry-run                      # CPU, tiny GPT: no timings
 
-Per model and mode, one run: the model built on the meta device (under "node" each rank builds
-only its node slices; under "replicated" it is made real on the GPU in bf16, and a model that does
-not fit is reported as such with the bytes its weights alone need), the engine with the sdp4bit
-preset, fused AdamW, then --warmup steps and, per scenario, --settle untimed and --steps timed steps back to back
-(phase_timer.PhaseTimer). Reported per run: the trained parameters, the memory held between steps
-(weights, masters, optimizer state, every buffer of the engine), its bytes per parameter, the peak
-over the timed steps, and per scenario the step, the busiest link's time and step / max(compute,
-busiest link), where compute is the nvlink scenario's step (give it first).
+Per model and mode, --repeat runs (the modes interleaved; the table gives the median step and
+each run's): the model built on the meta device (under "node" each rank builds only its node
+slices; under "replicated" it is made real on the GPU in bf16, and a model that does not fit is
+reported as such with the bytes its weights alone need, and not run again), the engine with the
+sdp4bit preset, fused AdamW, then --warmup steps and, per scenario, --settle untimed and --steps
+timed steps back to back (phase_timer.PhaseTimer). Reported per run: the trained parameters, the
+memory held between steps (weights, masters, optimizer state, every buffer of the engine), its
+bytes per parameter, the peak over the timed steps, and per scenario the step, the busiest link's
+time and step / max(compute, busiest link), where compute is the nvlink scenario's step (give it
+first).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import statistics
 import sys
 import weakref
 
@@ -59,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=at_least(1), default=1)
     parser.add_argument("--settle", type=at_least(0), default=SETTLE)
     parser.add_argument("--steps", type=at_least(1), default=3)
+    parser.add_argument("--repeat", type=at_least(1), default=1, help="runs of each model and mode (medians reported)")
     parser.add_argument("--json", help="write the runs' results here")
     parser.add_argument("--dry-run", action="store_true", help="CPU, the tiny-ckpt GPT, 2 nodes x 2: no timings")
     args = parser.parse_args(argv)
@@ -143,26 +148,35 @@ def _weights_gib(spec: ModelSpec) -> float:
 
 
 def report(runs: list[dict]) -> str:
+    """A row per model, mode and scenario: with several runs of each (--repeat), the median of their
+    steps (each run's step is the mean of its timed steps), every run's beside it, the highest peak."""
     lines = [
         "| model | mode | parameters | held between steps (GiB) | bytes / parameter | peak (GiB) | scenario "
-        "| step (ms) | busiest link (ms) | step / max(compute, link) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| step (ms) | runs' steps (ms) | busiest link (ms) | step / max(compute, link) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    grouped: dict[tuple[str, str], list[dict]] = {}
     for entry in runs:
-        result = entry["result"]
-        if not result["fits"]:
-            need = f"does not fit: its bf16 weights alone are {result['weights_gib']:.1f} GiB"
-            lines.append(f"| {entry['model']} | {entry['mode']} | | {need} | | | | | | |")
+        grouped.setdefault((entry["model"], entry["mode"]), []).append(entry["result"])
+    for (model, mode), results in grouped.items():
+        fitted = [result for result in results if result["fits"]]
+        if not fitted:
+            need = f"does not fit: its bf16 weights alone are {results[0]['weights_gib']:.1f} GiB"
+            lines.append(f"| {model} | {mode} | | {need} | | | | | | | |")
             continue
-        held = sum(v for k, v in result["held"].items() if k != "allocated")
-        compute = next(iter(result["phases"].values()))["step_ms"]
-        for scenario, phase in result["phases"].items():
+        first = fitted[0]
+        held = sum(v for k, v in first["held"].items() if k != "allocated")
+        steps = {name: [r["phases"][name]["step_ms"] for r in fitted] for name in first["phases"]}
+        compute = statistics.median(next(iter(steps.values())))
+        for scenario, phase in first["phases"].items():
             link = max(phase["busy_ms"].values(), default=0.0)
-            bound = max(compute, link)
+            step = statistics.median(steps[scenario])
+            peak = max(r["phases"][scenario]["peak_gib"] for r in fitted)
+            each = ", ".join(f"{ms:.1f}" for ms in steps[scenario])
             lines.append(
-                f"| {entry['model']} | {entry['mode']} | {result['params'] / 1e9:.2f}B | {held / 2**30:.1f} "
-                f"| {held / result['params']:.2f} | {phase['peak_gib']:.1f} | {scenario} | {phase['step_ms']:.1f} "
-                f"| {link:.1f} | {phase['step_ms'] / bound:.2f} |"
+                f"| {model} | {mode} | {first['params'] / 1e9:.2f}B | {held / 2**30:.1f} "
+                f"| {held / first['params']:.2f} | {peak:.1f} | {scenario} | {step:.1f} | {each} "
+                f"| {link:.1f} | {step / max(compute, link):.2f} |"
             )
     return "\n".join(lines)
 
@@ -170,22 +184,27 @@ def report(runs: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     topology = Topology(0, args.nodes * args.ranks_per_node, args.ranks_per_node)
-    runs = []
-    for model in args.models.split(","):
-        for mode in args.modes.split(","):
-            print(f"{model}, {mode}, {args.nodes} x {args.ranks_per_node} ...", file=sys.stderr, flush=True)
-            result: dict = {}
-            try:
-                with fresh_state(f"{model} {mode}", args.device) as watched:
-                    result = run(SHAPES[model], mode, topology, args, watched)
-            except RuntimeError as error:
-                if result.get("fits", True):  # a run that fitted left something behind: a real leak
-                    raise
-                result["after"] = str(error)  # what an out-of-memory run left allocated
-            runs.append({"model": model, "mode": mode, "result": result})
-            if args.json:
-                with open(args.json, "w") as handle:
-                    json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, handle, indent=1)
+    runs: list[dict] = []
+    unfit: set[tuple[str, str]] = set()  # not run again: it will not fit the next time either
+    # Repeats interleave the modes, so that a drift of the machine (clocks, temperature) reaches both alike.
+    for repeat, model, mode in itertools.product(range(args.repeat), args.models.split(","), args.modes.split(",")):
+        if (model, mode) in unfit:
+            continue
+        print(f"{model}, {mode}, {args.nodes} x {args.ranks_per_node}, run {repeat + 1}", file=sys.stderr, flush=True)
+        result: dict = {}
+        try:
+            with fresh_state(f"{model} {mode}", args.device) as watched:
+                result = run(SHAPES[model], mode, topology, args, watched)
+        except RuntimeError as error:
+            if result.get("fits", True):  # a run that fitted left something behind: a real leak
+                raise
+            result["after"] = str(error)  # what an out-of-memory run left allocated
+        if not result["fits"]:
+            unfit.add((model, mode))
+        runs.append({"model": model, "mode": mode, "result": result})
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, handle, indent=1)
     print(report(runs))
 
 
