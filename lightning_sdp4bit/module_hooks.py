@@ -68,7 +68,7 @@ class _WeightWaitHook:
         if shards is None:
             self.engine.wait_weights(self.indices)
         else:
-            shards.before_module_forward(self.indices)
+            shards.gather(self.indices)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:
         return _InertHook()

@@ -18,12 +18,11 @@ kept, as it would be in the replicated mode's weights) and the parameters point 
 placeholder of their shape: any read that escapes the engine shows up as NaN, not as stale values.
 
 When is a bucket gathered, and when released:
-- a module's forward pre-hook gathers the buckets of its own parameters, and releases those
-  every user of which (every module owning parameters in it) has run forward. So the buckets of
-  the forward's last modules (a tied output head's) stay for the backward, which starts with
-  them, as FSDP2 keeps its root's; not inside backward, where activation checkpointing recomputes
-  forwards whose backward follows at once. With gradients enabled its forward hook registers a
-  hook on the outputs that gathers them again before that part of backward runs;
+- a module's forward pre-hook gathers the buckets of its own parameters; its forward hook
+  releases each once every module owning parameters in it has run forward (not inside backward,
+  where activation checkpointing recomputes forwards whose backward follows at once), and, with
+  gradients enabled, registers a hook on the outputs that gathers them again before that part
+  of backward runs;
 - any other torch operation on a released parameter (a weight read outside its module's
   forward: a functional tied head, a penalty over the parameters, a callback) gathers its
   bucket first (`ReleasedReadGuard`). Gathered so in a forward with gradients enabled, the
@@ -121,7 +120,6 @@ class NodeShards:
         self._waiting_users: list[set[int]] = [set() for _ in buckets]  # modules yet to run forward, per bucket
         self._users: list[set[int]] = [set() for _ in buckets]  # modules owning parameters in each bucket
         self._arrived: list[int] = [0] * len(buckets)  # gradients in by this backward, per bucket
-        self._forward_done: list[int] = []  # buckets every user of which ran forward: released at the next module's
         self._landing: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> its gather in flight, [L, M * S]
         self.guard = ReleasedReadGuard(lambda index: self.gather([index], sticky=self._reads_for_backward()))
         for index, bucket in enumerate(buckets):
@@ -223,18 +221,9 @@ class NodeShards:
             self._users[index].add(id(module))
 
     @unseen
-    def before_module_forward(self, indices: list[int]) -> None:
-        """Release what the forward is done with (unless this module uses it too), then gather
-        this module's buckets."""
-        done = [index for index in self._forward_done if index not in indices and index not in self.sticky]
-        self._forward_done = []
-        self.release(done)
-        self.gather(indices)
-
-    @unseen
     def after_module_forward(self, module: nn.Module, indices: list[int], output: Any) -> None:
-        """Note the buckets every user of which has run forward (the next module's forward releases
-        them), and gather them again before the backward through this output (with gradients enabled)."""
+        """Release the buckets every user of which has run forward, and gather them again before
+        the backward through this output (with gradients enabled)."""
         if _in_backward():
             return  # a recomputed forward (activation checkpointing): its backward follows
         if isinstance(output, torch.Tensor):  # most modules: one hook on it, a few microseconds
@@ -248,19 +237,15 @@ class NodeShards:
         for index in indices:
             waiting = self._waiting_users[index]
             waiting.discard(id(module))
-            if not waiting and index not in self._forward_done:
-                self._forward_done.append(index)
+            if not waiting and index not in self.sticky:
+                self.release([index])
 
     def before_forward(self) -> None:
         """Release what a read gathered since the last step (a callback's) and no backward needs:
         the forward gathers what it uses."""
-        self._forward_done = []
         self.release([i for i, gathered in enumerate(self.gathered) if gathered and i not in self.sticky])
 
     def before_backward(self) -> None:
-        """The last modules' buckets, not released after their forward, serve the backward that
-        starts with them; they go once their gradients are in."""
-        self._forward_done = []
         self._arrived = [0] * len(self.buckets)
 
     def grad_arrived(self, index: int) -> None:

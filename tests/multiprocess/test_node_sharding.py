@@ -11,7 +11,9 @@
   on the CPU by the same initialization steps; ranks seeded apart are refused on every rank; a
   meta-device module is refused under "replicated";
 - the gathers inside the node are counted in comm_stats ("weight_gather"), and the exchange across
-  nodes sends what the replicated mode's first stage sends.
+  nodes sends what the replicated mode's first stage sends;
+- a parameter used again right after its module's forward, before the next module's (where its
+  bucket would be released), keeps the bucket for the backward: the same weights as replicated.
 """
 
 import contextlib
@@ -207,6 +209,53 @@ def test_a_meta_device_module_needs_reset_parameters_and_node_sharding():
     topology, groups = Topology(0, 1, 1), ProcessGroups(world=None, intra=None, inter=None)
     with pytest.raises(ValueError, match="only weight_sharding='node' builds it in place"):
         ShardedEngine(tiny, _config("baseline", "replicated"), topology, groups, device=torch.device("cpu"))
+
+
+class _ReadAfterItsModule(torch.nn.Module):
+    """`b.bias` used again right after b's forward: the multiplication saves the parameter itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)) * self.b.bias)  # c's forward would release b's bucket
+
+
+def _read_after_module_job(rank, world, ranks_per_node):
+    from lightning_sdp4bit.engine import ShardedEngine
+    from lightning_sdp4bit.topology import Topology, create_process_groups
+
+    topology = Topology(rank, world, ranks_per_node)
+    groups = create_process_groups(topology)
+    out = {}
+    for sharding in ("replicated", "node"):
+        torch.manual_seed(0)
+        module = _ReadAfterItsModule()
+        config = SDP4BitConfig.preset("sdp4bit", bucket_numel=16 * 16 + 16, weight_sharding=sharding)
+        engine = ShardedEngine(module, config, topology, groups)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
+        engine.shard_optimizer(optimizer)
+        for step in range(2):
+            engine.zero_grad()
+            engine.pre_forward()
+            loss = module(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean()
+            engine.post_forward()
+            engine.pre_backward()
+            loss.backward()
+            engine.post_backward()
+            engine.pre_optimizer_step()
+            optimizer.step()
+            engine.post_optimizer_step()
+        engine.close()
+        out[sharding] = {name: p.detach().clone() for name, p in module.named_parameters()}
+    return out
+
+
+def test_a_read_right_after_its_modules_forward_keeps_the_bucket_for_the_backward():
+    for rank, result in enumerate(run_workers(_read_after_module_job, 4, 2)):
+        for name, weight in result["replicated"].items():
+            assert not weight.isnan().any() and torch.equal(result["node"][name], weight), f"rank {rank}: {name}"
 
 
 def _poisoned(rank, world, ranks_per_node):

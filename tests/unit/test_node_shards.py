@@ -1,10 +1,10 @@
 """When weight_sharding="node" gathers and releases buckets, in one process (rank 0 of an emulated
 2 nodes x 4 job, `emulated.emulated_engine`), on a model of three linear layers in three buckets:
-- in forward a module's pre-hook releases the buckets whose every user has run forward, so at each
-  module's forward only its own bucket is gathered;
-- the last module's bucket stays gathered into the backward, which starts with it: a step gathers
-  the three buckets in forward and only the other two again in backward;
-- after backward every bucket is released, and the next step does the same.
+- in forward a bucket is released once every module owning parameters in it has run forward, so
+  at each module's forward only its own bucket is gathered, and none after the forward;
+- the backward gathers each bucket again (a module's output hook) and releases it once its
+  gradients are in: a step gathers the three buckets in forward and again in backward, and every
+  bucket is released after it; the next step does the same.
 """
 
 import torch
@@ -14,7 +14,9 @@ from torch import nn
 from lightning_sdp4bit.node_shards import NodeShards
 
 
-def test_the_last_modules_bucket_serves_the_backward_without_a_second_gather(benchmark_script, monkeypatch):
+def test_each_bucket_is_gathered_for_its_modules_forward_and_backward_and_released_after_each(
+    benchmark_script, monkeypatch
+):
     torch.manual_seed(0)
     layers = [nn.Linear(64, 64) for _ in range(3)]
     model = nn.Sequential(layers[0], nn.GELU(), layers[1], layers[2])
@@ -39,12 +41,12 @@ def test_the_last_modules_bucket_serves_the_backward_without_a_second_gather(ben
             loss = model(torch.randn(4, 64)).square().mean()
             engine.post_forward()
             assert [[i for i, g in enumerate(gathered) if g] for gathered in seen_in_forward] == [[i] for i in own]
-            assert [i for i, g in enumerate(shards.gathered) if g] == [own[-1]]  # kept for the backward
+            assert not any(shards.gathered)
             assert sorted(started) == [0, 1, 2]
             engine.pre_backward()
             loss.backward()
             engine.post_backward()
-            assert sorted(started) == sorted([0, 1, 2, own[0], own[1]])  # the last layer's: not again
+            assert sorted(started) == [0, 0, 1, 1, 2, 2]
             assert not any(shards.gathered)
             engine.clip_grad_norm(1.0)
             engine.pre_optimizer_step()
