@@ -1,5 +1,7 @@
 """One process as rank 0 of a job on the emulated network (benchmarks/emulation.py: loopback
-collectives, here on the CPU and without link time), for tests of the engine without workers."""
+collectives, here on the CPU and without link time), for tests of the engine without workers.
+The loopbacks hand rank 0 its own data back as every peer's (a gathered bucket repeats its rows):
+what the engine does is real, the values are not a real job's. Numerics: tests/multiprocess/."""
 
 import contextlib
 from collections.abc import Iterator
