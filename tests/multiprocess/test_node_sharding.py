@@ -172,31 +172,44 @@ def _meta_job(rank, world, ranks_per_node, seeded):
         torch.manual_seed(0)
         module = _meta_model() if sharding == "node" else _initialized_like_meta()
         engine = ShardedEngine(module, _config("sdp4bit", sharding), topology, groups, device=torch.device("cpu"))
-        optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)  # after: a meta module's parameters are new
-        engine.shard_optimizer(optimizer)
-        for step in range(2):
-            engine.zero_grad()
-            engine.pre_forward()
+
+        def loss_of(step, module=module):
             tokens = batch(rank, step)
             logits = module(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 61), tokens[:, 1:].reshape(-1))
-            engine.post_forward()
-            engine.pre_backward()
-            loss.backward()
-            engine.post_backward()
-            engine.pre_optimizer_step()
-            optimizer.step()
-            engine.post_optimizer_step()
-        engine.close()
-        out[sharding] = {name: p.detach().clone() for name, p in module.named_parameters()}
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 61), tokens[:, 1:].reshape(-1))
+
+        out[sharding] = _weights_after_steps(module, engine, loss_of)
     return out
 
 
-def test_a_meta_device_module_is_built_as_node_slices_alike_on_every_rank():
-    results = run_workers(_meta_job, 4, 2, True)
+def _weights_after_steps(module, engine, loss_of, steps: int = 2) -> dict:
+    """`steps` plain optimizer steps (AdamW) through the step protocol, `loss_of(step)` each
+    step's loss; then the engine closed (the module whole again) and its weights."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)  # after the engine: a meta module's parameters are new
+    engine.shard_optimizer(optimizer)
+    for step in range(steps):
+        engine.zero_grad()
+        engine.pre_forward()
+        loss = loss_of(step)
+        engine.post_forward()
+        engine.pre_backward()
+        loss.backward()
+        engine.post_backward()
+        engine.pre_optimizer_step()
+        optimizer.step()
+        engine.post_optimizer_step()
+    engine.close()
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _assert_the_modes_agree(results: list[dict]) -> None:
     for rank, result in enumerate(results):
         for name, weight in result["replicated"].items():
             assert not weight.isnan().any() and torch.equal(result["node"][name], weight), f"rank {rank}: {name}"
+
+
+def test_a_meta_device_module_is_built_as_node_slices_alike_on_every_rank():
+    _assert_the_modes_agree(run_workers(_meta_job, 4, 2, True))
     run_workers(_meta_job, 4, 2, False)  # unseeded ranks are refused on every rank
 
 
@@ -234,28 +247,16 @@ def _read_after_module_job(rank, world, ranks_per_node):
         module = _ReadAfterItsModule()
         config = SDP4BitConfig.preset("sdp4bit", bucket_numel=16 * 16 + 16, weight_sharding=sharding)
         engine = ShardedEngine(module, config, topology, groups)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
-        engine.shard_optimizer(optimizer)
-        for step in range(2):
-            engine.zero_grad()
-            engine.pre_forward()
-            loss = module(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean()
-            engine.post_forward()
-            engine.pre_backward()
-            loss.backward()
-            engine.post_backward()
-            engine.pre_optimizer_step()
-            optimizer.step()
-            engine.post_optimizer_step()
-        engine.close()
-        out[sharding] = {name: p.detach().clone() for name, p in module.named_parameters()}
+
+        def loss_of(step, module=module):
+            return module(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean()
+
+        out[sharding] = _weights_after_steps(module, engine, loss_of)
     return out
 
 
 def test_a_read_right_after_its_modules_forward_keeps_the_bucket_for_the_backward():
-    for rank, result in enumerate(run_workers(_read_after_module_job, 4, 2)):
-        for name, weight in result["replicated"].items():
-            assert not weight.isnan().any() and torch.equal(result["node"][name], weight), f"rank {rank}: {name}"
+    _assert_the_modes_agree(run_workers(_read_after_module_job, 4, 2))
 
 
 def _poisoned(rank, world, ranks_per_node):
