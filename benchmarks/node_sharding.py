@@ -7,6 +7,8 @@ On the H200 (from the repository root, the package installed or on PYTHONPATH):
         --scenarios nvlink,eth100 --repeat 3 --json 6.7b.json           # both modes, medians of 3
     python3 benchmarks/node_sharding.py --models 70b-ckpt --nodes 16 --ranks-per-node 8 \
         --modes node,replicated --scenarios nvlink,eth100,ib400 --bucket-numel 1e8 --json 70b.json
+    python3 benchmarks/node_sharding.py --models 6.7b-ckpt --modes node --node-gather-prefetch 1 \
+        --scenarios nvlink,eth100 --repeat 3                            # fewer gathers ahead
     python3 benchmarks/node_sharding.py --dry-run                      # CPU, tiny GPT: no timings
 
 Per model and mode, --repeat runs (the modes interleaved; the table gives the median step and
@@ -56,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks-per-node", type=at_least(2), default=4)
     parser.add_argument("--scenarios", default="nvlink,eth100", help="emulated_runs scenarios; nvlink first")
     parser.add_argument("--bucket-numel", type=lambda text: int(float(text)), default=None)
+    parser.add_argument(
+        "--node-gather-prefetch", type=at_least(0), default=None, help="SDP4BitConfig.node_gather_prefetch (node mode)"
+    )
     parser.add_argument("--nvlink-gbs", type=at_least(1.0, float), default=150.0)
     parser.add_argument(
         "--link-gbps", type=at_least(1.0, float), default=math.inf, help="the custom scenario's Gb/s per GPU"
@@ -94,6 +99,8 @@ def held_bytes(engine: ShardedEngine, optimizer: torch.optim.Optimizer) -> dict[
 def run(spec: ModelSpec, mode: str, topology: Topology, args, watched: list) -> dict:
     network = Network(args.device, topology, args.lightning_lane)
     extra = {"bucket_numel": args.bucket_numel} if args.bucket_numel else {}
+    if mode == "node" and args.node_gather_prefetch is not None:
+        extra["node_gather_prefetch"] = args.node_gather_prefetch
     config = SDP4BitConfig.preset("sdp4bit", ranks_per_node=topology.ranks_per_node, weight_sharding=mode, **extra)
     with network.install():
         try:

@@ -49,10 +49,7 @@ from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 from lightning_sdp4bit.weight_access import StackedMode, buckets_touched, unseen
 
-__all__ = ["GATHER_PREFETCH", "NodeShards", "ReleasedReadGuard", "node_rows"]
-
-# Buckets whose intra-node gathers start ahead of the one a module waits for.
-GATHER_PREFETCH = 2
+__all__ = ["NodeShards", "ReleasedReadGuard", "node_rows"]
 
 # What a torch function mode sees of a parameter that reads no values: metadata, its gradient,
 # its version counter, hook registration. None of these gathers a released bucket.
@@ -99,7 +96,8 @@ class NodeShards:
     """One rank's node slices and the gathered state of its buckets (see the module docstring).
 
     `wait_exchange(indices)`: completes those buckets' weight exchanges (which write the node
-    slices) before a gather reads them."""
+    slices) before a gather reads them. `gathers_ahead`: the buckets whose gathers start ahead of
+    the one a module waits for."""
 
     def __init__(
         self,
@@ -109,11 +107,13 @@ class NodeShards:
         timeouts: comm.Timeouts,
         meter: WireMeter,
         wait_exchange: Callable[[list[int]], None],
+        gathers_ahead: int,
     ):
         if not topology.has_intra_stage:  # SDP4BitConfig.resolve_ranks_per_node refuses it first
             raise ValueError('weight_sharding="node" needs at least 2 ranks per node')
         self.buckets, self.topology, self.groups = buckets, topology, groups
         self.timeouts, self.meter, self._wait_exchange = timeouts, meter, wait_exchange
+        self.gathers_ahead = gathers_ahead  # SDP4BitConfig.node_gather_prefetch
         self.gathered = [True] * len(buckets)  # as allocated: full weights
         self.closed = False  # after the engine's close: gathered for good
         self.sticky: set[int] = set()  # gathered by a read in a forward with gradients: kept until backward ends
@@ -135,7 +135,7 @@ class NodeShards:
     @unseen
     def gather(self, indices: Iterable[int], sticky: bool = False) -> None:
         """Make these buckets' full weights the parameters' storage again, then start the gathers
-        of the next `GATHER_PREFETCH` buckets in the order the pass reaches them (forward: the
+        of the next `gathers_ahead` buckets in the order the pass reaches them (forward: the
         first layers are in the last bucket; backward: the reverse), so that they cross NVLink
         while this module computes. Collective inside the node: every rank of it gathers the same
         buckets in the same order (the same module forwards, the same reads)."""
@@ -148,7 +148,7 @@ class NodeShards:
         if indices:
             step = 1 if _in_backward() else -1
             ahead = max(indices) if step == 1 else min(indices)
-            for index in range(ahead + step, ahead + step * (GATHER_PREFETCH + 1), step):
+            for index in range(ahead + step, ahead + step * (self.gathers_ahead + 1), step):
                 if 0 <= index < len(self.buckets) and not self.gathered[index] and index not in self._landing:
                     self._start(index)
 

@@ -109,7 +109,7 @@ class ShardedRank:
         self.access = WeightAccess(buckets, topology.rank, self.wait_weights)
         # weight_sharding="node": the node slices and which buckets are gathered (`node_shards`).
         self.node_shards = (
-            NodeShards(buckets, topology, groups, self.timeouts, meter, self.wait_weights)
+            NodeShards(buckets, topology, groups, self.timeouts, meter, self.wait_weights, config.gathers_ahead)
             if config.shards_weights
             else None
         )

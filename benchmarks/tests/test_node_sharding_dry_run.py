@@ -55,6 +55,7 @@ def test_the_dry_run_measures_both_modes(benchmark_script, capsys):
     [
         (["--models", "7b"], "argument --models: unknown ['7b']"),
         (["--ranks-per-node", "1"], "argument --ranks-per-node"),
+        (["--node-gather-prefetch", "-1"], "argument --node-gather-prefetch: must be at least 0, got -1"),
     ],
 )
 def test_bad_arguments_name_the_flag(benchmark_script, capsys, argv, message):

@@ -184,3 +184,17 @@ def test_node_sharding_needs_two_ranks_per_node_before_anything_starts():
     ):
         config.resolve_ranks_per_node(4)
     assert SDP4BitConfig(weight_sharding="node").resolve_ranks_per_node(8, 4) == 4
+
+
+def test_node_gather_prefetch_is_a_count_that_only_the_node_mode_takes():
+    assert SDP4BitConfig(weight_sharding="node").gathers_ahead == 2
+    assert SDP4BitConfig(weight_sharding="node", node_gather_prefetch=0).gathers_ahead == 0
+    with pytest.raises(ValueError, match=r"node_gather_prefetch must be None \(2\) or an integer >= 0, got -1"):
+        SDP4BitConfig(weight_sharding="node", node_gather_prefetch=-1)
+    with pytest.raises(ValueError, match=r"node_gather_prefetch must be an integer, got 1.5"):
+        SDP4BitConfig(weight_sharding="node", node_gather_prefetch=1.5)
+    with pytest.raises(
+        ValueError, match=r"node_gather_prefetch=1 needs weight_sharding='node', got weight_sharding='replicated'"
+    ):
+        SDP4BitConfig.from_dict({"node_gather_prefetch": 1})
+    assert SDP4BitConfig().with_overrides(["weight_sharding=node", "node_gather_prefetch=1"]).gathers_ahead == 1

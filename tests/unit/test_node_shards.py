@@ -4,9 +4,12 @@
   at each module's forward only its own bucket is gathered, and none after the forward;
 - the backward gathers each bucket again (a module's output hook) and releases it once its
   gradients are in: a step gathers the three buckets in forward and again in backward, and every
-  bucket is released after it; the next step does the same.
+  bucket is released after it; the next step does the same;
+- `node_gather_prefetch` = k starts the gathers of the next k buckets, in the order the forward
+  reaches them, when a module's own bucket lands (0: each at its module's forward only).
 """
 
+import pytest
 import torch
 from emulated import emulated_engine
 from torch import nn
@@ -52,3 +55,29 @@ def test_each_bucket_is_gathered_for_its_modules_forward_and_backward_and_releas
             engine.pre_optimizer_step()
             optimizer.step()
             engine.post_optimizer_step()
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_node_gather_prefetch_starts_that_many_gathers_ahead_of_the_forward(ahead, benchmark_script, monkeypatch):
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(3)]
+    model = nn.Sequential(*layers)
+    events = []
+    start = NodeShards._start
+    monkeypatch.setattr(NodeShards, "_start", lambda self, index: (events.append(index), start(self, index))[1])
+    config = {"bucket_numel": 64 * 64 + 64, "weight_sharding": "node", "node_gather_prefetch": ahead}
+    with emulated_engine(benchmark_script, model, **config) as engine:
+        bucket_of = {id(p): b.layout.index for b in engine.buckets for p in b.params}
+        own = [bucket_of[id(layer.weight)] for layer in layers]
+        for number, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda m, a, number=number: events.append(f"forward {number}"))
+        engine.pre_forward()
+        with torch.no_grad():
+            model(torch.randn(4, 64))
+        engine.post_forward()
+        seen = list(events)  # closing the engine gathers every bucket for good
+    expected = []
+    for number in range(3):  # a module's own bucket, then those ahead not yet started, then its forward
+        expected += [i for i in own[: number + ahead + 1] if i not in expected]
+        expected.append(f"forward {number}")
+    assert seen == expected
