@@ -20,9 +20,9 @@ from there; a finished run writes <results>/<run>.json, which the study then ski
 (benchmarks/bpe.py: trained on the training files, or `--tokenizer-file`; its SHA-256 goes into
 every result) instead of bytes: the model becomes GPT-2's 124M shape, the losses are nats per
 token, and its results, states and report are its own (results/accuracy_gpu_bpe,
-docs/accuracy_gpu_bpe.md). The same steps and batch as the byte study, so 150M tokens: more than
-the corpus holds in BPE tokens (about 3.7 bytes a token), so the data order takes a second pass in
-a new order, and each result records how many (`data_epochs`).
+docs/accuracy_gpu_bpe.md). Its budget is the byte study's share of the corpus (150M of 398M
+training bytes: 37.7%), so both read the same text once: about 40M BPE tokens, 615 steps of the
+same batch. (The byte study's 150M tokens would be 1.4 passes over the corpus in BPE tokens.)
 """
 
 from __future__ import annotations
@@ -98,6 +98,14 @@ SMOKE = Study(
     n_layer=2, n_embd=32, n_head=2, block_size=64, world="2x2", tokens=24 * 4 * 64, eval_every=6,
     eval_windows=8, final_eval_windows=16, corpus_limit_bytes=2_000_000,
 )  # fmt: skip
+
+
+def bpe_study(study: Study, manifest: dict) -> Study:
+    """The study on a BPE corpus (`manifest`: `bpe.bpe_corpus`'s): its tokenizer's vocabulary, and
+    the byte study's budget as the same share of the training text (150M x 106.9M BPE tokens /
+    397.8M bytes = 40.3M tokens on the H200 machine), so every run reads the same text once."""
+    tokens = round(study.tokens * manifest["train_tokens"] / manifest["train_bytes"])
+    return replace(study, vocab_size=manifest["tokenizer_vocab"], tokens=tokens)
 
 
 def run_names(presets: list[str], seeds: int) -> list[str]:
@@ -359,7 +367,7 @@ def main(argv: list[str]) -> None:
     corpus = build_corpus(limit_bytes=study.corpus_limit_bytes)
     if bpe:
         corpus = bpe_corpus(corpus, vocab, args.state, args.tokenizer_file)
-        study = replace(study, vocab_size=corpus.manifest["tokenizer_vocab"])
+        study = bpe_study(study, corpus.manifest)
     print(f"corpus: {json.dumps(corpus.manifest)}", flush=True)
     deadline = time.time() + args.budget  # training time: the corpus is read first
     for index, name in enumerate(pending):

@@ -6,9 +6,10 @@
 - the report has a row per preset (finished or pending) and the corpus's hashes, and the plot exists;
 - a run name outside the study, a negative budget or no seeds stop the script before anything is
   read or trained, naming the flag;
-- on a BPE vocabulary (--tokenizer bpe) the tiny GPT trains on the tokenizer's ids, its result
-  records the vocabulary and the tokenizer file's SHA-256, its state file is its own (not a byte
-  run's name), and its report is accuracy_gpu_bpe.md, in nats per token;
+- on a BPE vocabulary (--tokenizer bpe) the tiny GPT trains on the tokenizer's ids for the byte
+  study's share of the corpus in BPE tokens, its result records the vocabulary and the tokenizer
+  file's SHA-256, its state file is its own (not a byte run's name), and its report is
+  accuracy_gpu_bpe.md, in nats per token;
 - a study that needs more windows than the corpus holds takes a second pass in a new order, and
   one that does not keeps the single permutation the byte runs were trained with.
 """
@@ -97,17 +98,21 @@ def test_a_limited_corpus_reads_on_to_its_first_held_out_file(tmp_path, benchmar
     assert len(built.val) > 0 and len(built.train) > 0
 
 
-def test_smoke_study_on_a_bpe_vocabulary(tmp_path):
+def test_smoke_study_on_a_bpe_vocabulary(tmp_path, benchmark_script):
     results, state, docs = tmp_path / "results", tmp_path / "state", tmp_path / "docs"
     common = ["--tokenizer", "bpe", "--results", str(results), "--state", str(state)]
     _study("--runs", "baseline-d0", *common)
     run = json.loads((results / "baseline-d0.json").read_text())
     vocab = run["corpus"]["tokenizer_vocab"]
     assert run["study"]["vocab_size"] == vocab and 256 < vocab <= 384
+    byte_study = benchmark_script("accuracy_gpu").SMOKE
+    share = byte_study.tokens / run["corpus"]["train_bytes"]  # of the byte corpus
+    assert run["study"]["tokens"] == round(share * run["corpus"]["train_tokens"]) < byte_study.tokens
     tokenizer = Path(run["corpus"]["tokenizer_file"]).read_bytes()
     assert hashlib.sha256(tokenizer).hexdigest() == run["corpus"]["tokenizer_sha256"]
     curve = [loss for _, loss in run["val_curve"]]
-    assert curve[0] < math.log(vocab) + 0.5 and curve[-1] < curve[0] - 0.1
+    # 14 steps (the byte smoke's 24 as a share of the corpus): it fell 0.115 on the CPU, 0.085 in bf16 on the H200
+    assert curve[0] < math.log(vocab) + 0.5 and curve[-1] < curve[0] - 0.05
 
     out = _study("--runs", "tlq-r0", "--budget", "0", *common)
     assert "out of budget at step" in out and (state / f"tlq-r0-v{vocab}.pt").exists()
