@@ -102,10 +102,11 @@ def _finished(results: Path) -> dict[str, list[dict]]:
     return by_preset
 
 
-def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float | None) -> list[str]:
+def _verdicts(means: dict[str, float], spreads: dict[str, float | None], noise: float | None) -> list[str]:
     """The paper's orderings, judged on the finished runs, or pending. A
     "within x% of baseline" verdict whose line lies closer to the measured value than the noise
-    (the preset's seed spread or the data-order floor, whichever is wider) says so."""
+    (the preset's seed spread or the data-order floor, whichever is wider) says so. A preset of
+    one run has no seed spread (None): the ordering that needs one stays pending."""
 
     def judge(needs: list[str], holds, text: str, near: str = "") -> str:
         if any(p not in means for p in needs) or (noise is None and "floor" in text):
@@ -121,7 +122,7 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
             return judge(["baseline", preset], lambda: False, text)
         off = means[preset] / base - 1
         distance = limit - (abs(off) if two_sided else off)  # > 0: inside the line
-        seeds, floor = spreads[preset] / base, (noise or 0.0) / base
+        seeds, floor = (spreads[preset] or 0.0) / base, (noise or 0.0) / base
         near = ""
         if abs(distance) < max(seeds, floor):
             which = "seed spread" if seeds >= floor else "noise floor"
@@ -131,12 +132,17 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
             )
         return judge(["baseline", preset], lambda: distance >= 0, text, near)
 
-    tlq_gap = ""  # how far apart, beside the paper's figure, once both have run
-    if {"tlq", "tlq_hs"} <= means.keys():
-        spread = max(spreads["tlq"], spreads["tlq_hs"])
-        tlq_gap = (
-            f"TLq {means['tlq'] - means['tlq_hs']:+.5f} nats against TLq-HS; seed spread {spread:.5f}; the paper 0.0095"
-        )
+    tlq_text = "TLq worse than TLq-HS by more than their seed spread"
+    if {"tlq", "tlq_hs"} <= means.keys():  # how far apart, beside the paper's figure
+        gap = f"TLq {means['tlq'] - means['tlq_hs']:+.5f} nats against TLq-HS"
+        if spreads["tlq"] is None or spreads["tlq_hs"] is None:
+            tlq = f"- {tlq_text}: **pending** (one run of tlq or tlq_hs: no seed spread; {gap}; the paper 0.0095)"
+        else:
+            spread = max(spreads["tlq"], spreads["tlq_hs"])
+            verdict = "holds" if means["tlq"] - means["tlq_hs"] > spread else "does not hold"
+            tlq = f"- {tlq_text}: **{verdict}** ({gap}; seed spread {spread:.5f}; the paper 0.0095)"
+    else:
+        tlq = judge(["tlq", "tlq_hs"], lambda: False, tlq_text)
     return [
         judge(
             ["baseline", "qw"],
@@ -144,15 +150,14 @@ def _verdicts(means: dict[str, float], spreads: dict[str, float], noise: float |
             "qW worse than baseline by more than 10x the noise floor",
         ),
         within("qwd", 0.001, True, "qWD within 0.1% of baseline"),
-        judge(
-            ["tlq", "tlq_hs"],
-            lambda: means["tlq"] - means["tlq_hs"] > max(spreads["tlq"], spreads["tlq_hs"]),
-            "TLq worse than TLq-HS by more than their seed spread",
-            tlq_gap,
-        ),
+        tlq,
         judge(["ulq", "tlq"], lambda: means["ulq"] > means["tlq"], "ULq worse than TLq"),
         within("sdp4bit", 0.0025, False, "SDP4Bit within 0.25% of baseline"),
     ]
+
+
+def _spread_text(spread: float | None) -> str:
+    return "one run" if spread is None else f"{spread:.5f}"
 
 
 def _vocabulary(run: dict) -> tuple[str, str, str]:
@@ -183,7 +188,8 @@ def write_report(results: Path, docs: Path, page: str = "accuracy_gpu") -> None:
         "| paper 125M |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    means, spreads = {}, {}
+    means: dict[str, float] = {}
+    spreads: dict[str, float | None] = {}
     for preset in ORDER:
         pool = [r for r in runs.get(preset, []) if preset != "baseline" or r["data_seed"] == 0]
         paper = PAPER_125M.get(preset)
@@ -193,13 +199,13 @@ def write_report(results: Path, docs: Path, page: str = "accuracy_gpu") -> None:
             continue
         losses = [r["final_val_loss"] for r in pool]
         means[preset] = statistics.mean(losses)
-        spreads[preset] = max(losses) - min(losses)
+        spreads[preset] = max(losses) - min(losses) if len(losses) > 1 else None
         delta = (
             f"{means[preset] - base:+.5f} | {100 * (means[preset] / base - 1):+.3f}%" if base else "pending | pending"
         )
         each = ", ".join(f"{r['run']} {r['final_val_loss']:.5f}" for r in pool)
         lines.append(
-            f"| {preset} | {len(losses)} | {means[preset]:.5f} | {delta} | {spreads[preset]:.5f} | {each} "
+            f"| {preset} | {len(losses)} | {means[preset]:.5f} | {delta} | {_spread_text(spreads[preset])} | {each} "
             f"| {paper_text} |"
         )
     first = next(iter(runs.values()))[0]

@@ -1,5 +1,6 @@
 """The GPU accuracy study's verdicts (benchmarks/accuracy_gpu_report.py): pending until their runs
-exist, and a "within x%" verdict says when its line is nearer than the noise."""
+exist, and a "within x%" verdict says when its line is nearer than the noise; an ordering judged
+by a seed spread waits for a second seed."""
 
 import sys
 from pathlib import Path
@@ -63,3 +64,13 @@ def test_a_one_sided_line_is_not_near_a_preset_better_than_baseline():
     assert verdict(lines, "qWD").endswith(
         "**holds** (-0.080%; the 0.10% line is nearer than the noise floor, 0.04%: these runs do not decide it)"
     )
+
+
+def test_one_run_each_of_tlq_and_tlq_hs_gives_the_gap_but_no_verdict():
+    means = {"baseline": BASE, "tlq": BASE - 0.14, "tlq_hs": BASE}
+    lines = _verdicts(means, {"baseline": None, "tlq": None, "tlq_hs": None}, noise=None)
+    assert verdict(lines, "TLq worse").endswith(
+        "**pending** (one run of tlq or tlq_hs: no seed spread; TLq -0.14000 nats against TLq-HS; the paper 0.0095)"
+    )
+    two = _verdicts(means, {"baseline": None, "tlq": 0.01, "tlq_hs": None}, noise=None)
+    assert "**pending** (one run of tlq or tlq_hs" in verdict(two, "TLq worse")
