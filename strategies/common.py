@@ -52,6 +52,7 @@ __all__ = [
     "check_topology",
     "connect",
     "load_ordinary_state",
+    "load_untrained",
     "reduce",
     "refuse_finetuning_callbacks",
     "rewire_lightning_optimizers",
@@ -342,3 +343,12 @@ def load_ordinary_state(
         {"state_dict": state_dict, "optimizer_states": optimizer_states}, engine.optimizer_param_names
     )
     sharded_checkpoint.load_full_state(engine, optimizers if full["optimizers"] else None, full)
+
+
+def load_untrained(module: nn.Module, state_dict: dict[str, Any]) -> None:
+    """The entries of an ordinary state_dict that are not trained parameters under any of their
+    names (buffers, frozen parameters) into `module`, once `load_ordinary_state` has put the
+    trained ones into the buckets. Written through the module, those would gather every bucket
+    at once under weight_sharding="node": the whole model. `check_state_dict` comes first."""
+    trained = {name for name, param in module.named_parameters(remove_duplicate=False) if param.requires_grad}
+    module.load_state_dict({k: v for k, v in state_dict.items() if k not in trained}, strict=False)

@@ -23,6 +23,7 @@ from lightning_sdp4bit.strategies import common
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
 
+    from lightning_sdp4bit.config import SDP4BitConfig
     from lightning_sdp4bit.engine import ShardedEngine
 
     _Strategy = ParallelStrategy  # the type checker sees the strategy this mixin is part of
@@ -45,10 +46,17 @@ class ShardedCheckpoints(_Strategy):
     one must); the strategy's launcher records it (`launchers.entry_argument`)."""
     # SDP4BitStrategy's, declared for the type checker (annotations only: nothing at run time).
     engine: ShardedEngine | None
+    config: SDP4BitConfig
     _wait_weights: Callable[[], None]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._wait_weights()
+        if self.config.shards_weights:
+            # The shards hold the weights; the parameters stand in for them (a hook that reads one
+            # gathers its bucket). state_dict() would detach, i.e. read, each: the whole model at once.
+            module = self.lightning_module
+            assert module is not None
+            return module.state_dict(keep_vars=True)
         return super().lightning_module_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -137,24 +145,24 @@ class ShardedCheckpoints(_Strategy):
                 self.engine.weights_loaded()
             else:
                 full = sharded_checkpoint.read_full_state(path, weights_only)
-                state_dict = {**checkpoint["state_dict"], **full["weights"]}
+                aliases = full["meta"].get("aliases", {})  # a tied parameter's second names
+                weights = {**full["weights"], **{alias: full["weights"][name] for alias, name in aliases.items()}}
+                state_dict = {**checkpoint["state_dict"], **weights}
                 sharded_checkpoint.check_state_dict(module, state_dict, strict)
                 module.load_state_dict(state_dict, strict=strict)
             return
         sharded_checkpoint.check_state_dict(module, checkpoint["state_dict"], strict)
-        if self.engine is not None:
-            # A weights-only checkpoint has no optimizer states: then the masters alone are restored.
-            common.load_ordinary_state(
-                self.engine, optimizers, checkpoint["state_dict"], checkpoint.get("optimizer_states", [])
-            )
-            # Stochastic rounding seeds derive from the engine's step: continue the count, not restart
-            # it (a checkpoint without "global_step" holds no training progress: step 0).
-            self.engine.restore_step(int(checkpoint.get("global_step", 0)))
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        if self.engine is not None:
-            # The weights written again with the values the masters got: a load, not a user's write
-            # (which would replace the masters by the module-dtype weights at the next step).
-            self.engine.weights_loaded()
+        if self.engine is None:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        # A weights-only checkpoint has no optimizer states: then the masters alone are restored.
+        common.load_ordinary_state(
+            self.engine, optimizers, checkpoint["state_dict"], checkpoint.get("optimizer_states", [])
+        )
+        common.load_untrained(module, checkpoint["state_dict"])
+        # Stochastic rounding seeds derive from the engine's step: continue the count, not restart
+        # it (a checkpoint without "global_step" holds no training progress: step 0).
+        self.engine.restore_step(int(checkpoint.get("global_step", 0)))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing to do: load_model_state_dict restored the optimizers' shards with the weights."""

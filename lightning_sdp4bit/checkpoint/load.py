@@ -382,7 +382,8 @@ def check_parameters(engine: ShardedEngine, saved: dict[str, tuple[int, ...]], e
 def check_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
     """What module.load_state_dict would refuse, refused before it copies anything: with `strict`,
     missing or unexpected keys; always, a tensor whose shape differs from the module's."""
-    current = module.state_dict()
+    # keep_vars: names and shapes only; detach() would read (gather) a released parameter.
+    current = module.state_dict(keep_vars=True)
     if strict:
         missing, unexpected = sorted(current.keys() - state_dict.keys()), sorted(state_dict.keys() - current.keys())
         if missing or unexpected:

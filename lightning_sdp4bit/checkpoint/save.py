@@ -85,6 +85,17 @@ def parameter_aliases(module: torch.nn.Module, trained: set[str]) -> dict[str, s
     return aliases
 
 
+def untrained_state(module: torch.nn.Module, trained: set[str], aliases: dict[str, str]) -> dict[str, Tensor]:
+    """The module's state outside the buckets (buffers, frozen parameters), on the CPU. The
+    trained parameters and their second names are left out before any value is read: the shards
+    hold them, and under weight_sharding="node" a read of a released one gathers its bucket, a
+    collective that rank 0, writing meta.pt alone, would wait in for peers that never join.
+    (Checkpoints before 2026-12-04 also hold the second names' values; loads take both.)"""
+    skip = trained | aliases.keys()
+    state = module.state_dict(keep_vars=True)  # no detach(): that would read every parameter
+    return {k: v.detach().cpu() for k, v in state.items() if k not in skip and isinstance(v, Tensor)}
+
+
 def fragment_map(engine: ShardedEngine, optimizer_index: int) -> list[tuple[str, int, int]]:
     """(name, first element, count) of each parameter index of one re-pointed optimizer."""
     out = []
@@ -196,6 +207,7 @@ def _commit(
 ) -> None:
     """Rank 0, phase 3: meta.pt, then the manifest (the commit), then the staging rename."""
     trained = {slot.name for b in engine.buckets for slot in b.layout.slots}
+    aliases = parameter_aliases(engine.module, trained)
     meta = {
         "format": FORMAT,
         "world_size": engine.topology.world_size,
@@ -204,12 +216,10 @@ def _commit(
         "engine_step": engine.step,
         "meter": engine.meter.state_dict(),
         "skipped_steps": engine.skipped.exact(),
-        "untrained_state": {
-            k: v.cpu() for k, v in engine.module.state_dict().items() if k not in trained and isinstance(v, Tensor)
-        },
+        "untrained_state": untrained_state(engine.module, trained, aliases),
         "optimizer_param_names": engine.optimizer_param_names,
         "optimizer_classes": [class_name(optimizer) for optimizer in optimizers],
-        "aliases": parameter_aliases(engine.module, trained),
+        "aliases": aliases,
         "lightning": {k: v for k, v in checkpoint.items() if k not in _LIGHTNING_HEAVY_KEYS},
     }
     size, checksum = checksummed_save(meta, directory / generation / META)
