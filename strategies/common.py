@@ -52,7 +52,6 @@ __all__ = [
     "check_topology",
     "connect",
     "load_ordinary_state",
-    "load_untrained",
     "reduce",
     "refuse_finetuning_callbacks",
     "rewire_lightning_optimizers",
@@ -332,23 +331,20 @@ def save_sharded(
 
 def load_ordinary_state(
     engine: ShardedEngine,
+    module: nn.Module,
     optimizers: list[torch.optim.Optimizer] | None,
     state_dict: dict[str, Any],
     optimizer_states: list[dict[str, Any]],
 ) -> None:
     """Restore from an ordinary (single-file) checkpoint: a consolidated one, or DDP's. Without
-    optimizer states only the weights and masters are restored."""
+    optimizer states only the weights and masters are restored. The trained parameters' values
+    go straight into the buckets; only the rest (buffers, frozen parameters) through `module`:
+    written through it, a trained one would gather its bucket under weight_sharding="node", and
+    all of them the whole model. `check_state_dict` comes first."""
     engine.wait_weights()
     full = sharded_checkpoint.full_state_from_lightning(
         {"state_dict": state_dict, "optimizer_states": optimizer_states}, engine.optimizer_param_names
     )
     sharded_checkpoint.load_full_state(engine, optimizers if full["optimizers"] else None, full)
-
-
-def load_untrained(module: nn.Module, state_dict: dict[str, Any]) -> None:
-    """The entries of an ordinary state_dict that are not trained parameters under any of their
-    names (buffers, frozen parameters) into `module`, once `load_ordinary_state` has put the
-    trained ones into the buckets. Written through the module, those would gather every bucket
-    at once under weight_sharding="node": the whole model. `check_state_dict` comes first."""
     trained = {name for name, param in module.named_parameters(remove_duplicate=False) if param.requires_grad}
     module.load_state_dict({k: v for k, v in state_dict.items() if k not in trained}, strict=False)

@@ -157,9 +157,8 @@ class ShardedCheckpoints(_Strategy):
             return
         # A weights-only checkpoint has no optimizer states: then the masters alone are restored.
         common.load_ordinary_state(
-            self.engine, optimizers, checkpoint["state_dict"], checkpoint.get("optimizer_states", [])
+            self.engine, module, optimizers, checkpoint["state_dict"], checkpoint.get("optimizer_states", [])
         )
-        common.load_untrained(module, checkpoint["state_dict"])
         # Stochastic rounding seeds derive from the engine's step: continue the count, not restart
         # it (a checkpoint without "global_step" holds no training progress: step 0).
         self.engine.restore_step(int(checkpoint.get("global_step", 0)))
