@@ -51,9 +51,10 @@ class ShardedCheckpoints(_Strategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._wait_weights()
-        if self.config.shards_weights:
+        if self.engine is not None and self.config.shards_weights:
             # The shards hold the weights; the parameters stand in for them (a hook that reads one
             # gathers its bucket). state_dict() would detach, i.e. read, each: the whole model at once.
+            # (Without an engine, save_checkpoint writes this dict itself: copies, as usual.)
             module = self.lightning_module
             assert module is not None
             return module.state_dict(keep_vars=True)
