@@ -9,6 +9,8 @@ On the H200 (from the repository root, the package installed or on PYTHONPATH):
         --modes node,replicated --scenarios nvlink,eth100,ib400 --bucket-numel 1e8 --json 70b.json
     python3 benchmarks/node_sharding.py --models 6.7b-ckpt --modes node --node-gather-prefetch 1 \
         --scenarios nvlink,eth100 --repeat 3                            # fewer gathers ahead
+    python3 benchmarks/node_sharding.py --models 6.7b-ckpt --scenarios nvlink --steps 1 --settle 0 \
+        --peak-profile                                                 # what is alive at the peak
     python3 benchmarks/node_sharding.py --dry-run                      # CPU, tiny GPT: no timings
 
 Per model and mode, --repeat runs (the modes interleaved; the table gives the median step and
@@ -26,6 +28,7 @@ first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -33,6 +36,7 @@ import statistics
 import sys
 import weakref
 
+import memory_peak
 import torch
 from cli_args import at_least
 from emulated_runs import MODELS, SETTLE, ModelSpec, fresh_state, scenario_phase
@@ -70,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=at_least(1), default=3)
     parser.add_argument("--repeat", type=at_least(1), default=1, help="runs of each model and mode (medians reported)")
     parser.add_argument("--json", help="write the runs' results here")
+    parser.add_argument(
+        "--peak-profile",
+        action="store_true",
+        help="record the allocator's history and print what is alive at the last step's peak (slower: no timings)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="CPU, the tiny-ckpt GPT, 2 nodes x 2: no timings")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -118,19 +127,28 @@ def _measure(spec: ModelSpec, mode: str, topology: Topology, config, network: Ne
     tokens = spec.tokens(args.device)
     phases = [scenario_phase(name, args) for name in args.scenarios.split(",")]
     timer = PhaseTimer(network, phases, args, None)
-    held = None
-    for step in range(timer.total_steps):
-        engine_step(model, engine, optimizer, tokens, timer.mark)
-        timer.after_step()
-        if step == 0:
-            held = held_bytes(engine, optimizer)
-            if args.device.type == "cuda":
-                torch.cuda.synchronize()
-                held["allocated"] = torch.cuda.memory_allocated()
+    held, peak = None, None
+    profiling = args.peak_profile and args.device.type == "cuda"
+    before = torch.cuda.memory_allocated() if profiling else 0
+    with memory_peak.recording() if profiling else contextlib.nullcontext():
+        for step in range(timer.total_steps):
+            if profiling:
+                memory_peak.mark(args.device)
+            engine_step(model, engine, optimizer, tokens, timer.mark)
+            timer.after_step()
+            if step == 0:
+                held = held_bytes(engine, optimizer)
+                if args.device.type == "cuda":
+                    torch.cuda.synchronize()
+                    held["allocated"] = torch.cuda.memory_allocated()
+        if profiling:
+            peak = memory_peak.breakdown(memory_peak.trace(), before)
+            title = f"{mode}, {spec.n_layer} x {spec.n_embd}"
+            print(memory_peak.format_breakdown(title, peak), file=sys.stderr, flush=True)
     results = timer.results()
     engine.close()
     params = sum(b.layout.used_numel for b in engine.buckets)
-    return {"fits": True, "params": params, "held": held, "phases": results}
+    return {"fits": True, "params": params, "held": held, "phases": results, "peak_profile": peak}
 
 
 def _build(spec: ModelSpec, mode: str, device: torch.device) -> torch.nn.Module:
