@@ -331,14 +331,13 @@ def save_sharded(
 
 def load_ordinary_state(
     engine: ShardedEngine,
-    module: nn.Module,
     optimizers: list[torch.optim.Optimizer] | None,
     state_dict: dict[str, Any],
     optimizer_states: list[dict[str, Any]],
 ) -> None:
     """Restore from an ordinary (single-file) checkpoint: a consolidated one, or DDP's. Without
     optimizer states only the weights and masters are restored. The trained parameters' values
-    go straight into the buckets; only the rest (buffers, frozen parameters) through `module`:
+    go straight into the buckets; only the rest (buffers, frozen parameters) through the module:
     written through it, a trained one would gather its bucket under weight_sharding="node", and
     all of them the whole model. `check_state_dict` comes first."""
     engine.wait_weights()
@@ -346,5 +345,6 @@ def load_ordinary_state(
         {"state_dict": state_dict, "optimizer_states": optimizer_states}, engine.optimizer_param_names
     )
     sharded_checkpoint.load_full_state(engine, optimizers if full["optimizers"] else None, full)
+    module = engine.module
     trained = {name for name, param in module.named_parameters(remove_duplicate=False) if param.requires_grad}
     module.load_state_dict({k: v for k, v in state_dict.items() if k not in trained}, strict=False)

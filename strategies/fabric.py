@@ -319,9 +319,7 @@ class SDP4BitFabricStrategy(common.DataParallelLayout, ParallelStrategy):
                 saved = [remainder.pop(k) for k in optimizer_keys if k in remainder]
                 module_state = remainder.pop(module_keys[0])
                 sharded_checkpoint.check_state_dict(self.engine.module, module_state, strict)
-                common.load_ordinary_state(
-                    self.engine, self.engine.module, optimizers if saved else None, module_state, saved
-                )
+                common.load_ordinary_state(self.engine, optimizers if saved else None, module_state, saved)
         others = [k for k in state if k not in module_keys and k not in optimizer_keys]
         _validate_keys_for_strict_loading(others, remainder.keys(), strict=strict)
         for key in others:

@@ -158,7 +158,7 @@ class ShardedCheckpoints(_Strategy):
             return
         # A weights-only checkpoint has no optimizer states: then the masters alone are restored.
         common.load_ordinary_state(
-            self.engine, module, optimizers, checkpoint["state_dict"], checkpoint.get("optimizer_states", [])
+            self.engine, optimizers, checkpoint["state_dict"], checkpoint.get("optimizer_states", [])
         )
         # Stochastic rounding seeds derive from the engine's step: continue the count, not restart
         # it (a checkpoint without "global_step" holds no training progress: step 0).
