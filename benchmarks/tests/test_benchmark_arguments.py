@@ -13,6 +13,8 @@ import pytest
             "argument --first-round: must be at least 0, got -1",
         ),
         ("strategies", ["--devices", "two"], "argument --devices: expected int, got 'two'"),
+        ("node_gathers", ["--prefetch", "1,-1"], "argument --prefetch: [1, -1] holds a negative value"),
+        ("node_gathers", ["--width", "66"], "argument --width: 66 is not a multiple of 4"),
     ],
 )
 def test_a_bad_argument_names_its_flag(script, args, message, capsys, tmp_path, monkeypatch, benchmark_script):
