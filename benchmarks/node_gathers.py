@@ -19,7 +19,10 @@ Per `node_gather_prefetch`, over the last of `--steps` steps (the first has no l
   block's weights) and in GiB of bf16 at 6.7B; and the buckets at that moment, each named by its
   largest parameter (`wte`: the token embedding's, which also holds wpe and the first LayerNorm);
 - **gathers / unprefetched**: the intra-node gathers each pass started, and those a module waited
-  for because no prefetch had started them.
+  for because no prefetch had started them;
+- **around the logits**, where the step's activations are at their largest (the logits and their
+  gradients, in fp32 for the loss): what is gathered during the loss's backward (as the forward
+  left it), and the most gathered until the tied head's backward is done.
 
 This is the node mode's own part of a step's memory. The rest (activations, gradients, the
 exchanges' buffers) is the same in both modes, but where the step's peak lies, and so how much of
@@ -49,6 +52,7 @@ from lightning_sdp4bit.topology import Topology
 FULL = MODELS["6.7b-ckpt"]
 NODES, RANKS_PER_NODE = 16, 4
 PASSES = ("forward", "backward")
+LOSS_BACKWARD, HEAD_BACKWARD = "at the loss's backward", "until the head's backward is done"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,6 +117,8 @@ class GatherWatch:
 
     def __init__(self, sizes: list[int]):
         self.sizes = sizes
+        self.moment: str | None = None  # a named stretch of the step, followed in `at_moments`
+        self.at_moments: dict[str, int] = {}
         self.most: dict[str, tuple[int, list[int]]] = {}
         self.started: dict[str, int] = {}
         self.unprefetched: dict[str, int] = {}
@@ -121,12 +127,21 @@ class GatherWatch:
         self.most = {name: (0, []) for name in PASSES}
         self.started = dict.fromkeys(PASSES, 0)
         self.unprefetched = dict.fromkeys(PASSES, 0)
+        self.at_moments = {}
+
+    def begin(self, moment: str | None, shards: NodeShards) -> None:
+        """From now on, follow the most gathered as `moment` (None: stop following)."""
+        self.moment = moment
+        if moment is not None:
+            self._seen(shards)
 
     def _seen(self, shards: NodeShards) -> None:
         held = [i for i, gathered in enumerate(shards.gathered) if gathered] + list(shards._landing)
         total, name = sum(self.sizes[i] for i in held), _pass()
         if total > self.most[name][0]:
             self.most[name] = (total, sorted(held))
+        if self.moment is not None:
+            self.at_moments[self.moment] = max(self.at_moments.get(self.moment, 0), total)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -170,6 +185,7 @@ def measure(width: int, prefetch: int, steps: int) -> dict:
                 max(b.layout.slots, key=lambda slot: slot.numel).name.removesuffix(".weight") for b in engine.buckets
             ]
             watch = GatherWatch(sizes)
+            _follow_the_logits(model, engine, watch)
             optimizer = make_optimizer(model.parameters(), torch.device("cpu"))
             engine.shard_optimizer(optimizer)
             tokens = spec.tokens(torch.device("cpu"))
@@ -185,6 +201,7 @@ def measure(width: int, prefetch: int, steps: int) -> dict:
         "prefetch": prefetch,
         "same_layout": same_layout_as_full(model, config),
         "buckets": len(sizes),
+        "around_the_logits_gib_at_6.7b": {moment: total * to_full_gib for moment, total in watch.at_moments.items()},
         "passes": {
             name: {
                 "most_layers": watch.most[name][0] / layer,
@@ -196,6 +213,21 @@ def measure(width: int, prefetch: int, steps: int) -> dict:
             for name in PASSES
         },
     }
+
+
+def _follow_the_logits(model: torch.nn.Module, engine: ShardedEngine, watch: GatherWatch) -> None:
+    """Name the stretches around the logits: the loss's backward (from the step protocol's
+    pre_backward, before any gather) and then the tied head's, until its backward hook."""
+    shards = engine.primary.node_shards
+    pre_backward = engine.pre_backward
+
+    def watched_pre_backward() -> None:
+        pre_backward()
+        watch.begin(LOSS_BACKWARD, shards)
+        watch.begin(HEAD_BACKWARD, shards)
+
+    engine.pre_backward = watched_pre_backward
+    model.lm_head.register_full_backward_hook(lambda *_: watch.begin(None, shards))
 
 
 def report(results: list[dict], width: int) -> str:
@@ -212,6 +244,16 @@ def report(results: list[dict], width: int) -> str:
                 f"| {result['prefetch']} | {name} | {figures['most_layers']:.2f} | {figures['most_gib_at_6.7b']:.2f} "
                 f"| {figures['gathers']} | {figures['unprefetched']} | {', '.join(figures['buckets_at_most'])} |"
             )
+    lines += [
+        "",
+        "Around the logits, gathered or in flight (GiB at 6.7B):",
+        "",
+        f"| gathers ahead | {LOSS_BACKWARD} | {HEAD_BACKWARD} |",
+        "|---|---|---|",
+    ]
+    for result in results:
+        around = result["around_the_logits_gib_at_6.7b"]
+        lines.append(f"| {result['prefetch']} | {around[LOSS_BACKWARD]:.2f} | {around[HEAD_BACKWARD]:.2f} |")
     if not all(result["same_layout"] for result in results):
         lines += ["", "WARNING: the scaled model's buckets differ from the 6.7B model's; the GiB columns do not apply."]
     return "\n".join(lines)

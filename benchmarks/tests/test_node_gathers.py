@@ -4,8 +4,9 @@
   the width, not its square, no longer fit the first bucket as at 6.7B);
 - a run counts every bucket's gather in the forward, the most gathered at once is at least the
   largest bucket (the token embedding's) and at most all of them, the first gather of the forward
-  waits unprefetched, and NodeShards' own steps are put back afterwards;
-- the table has a row per prefetch depth and pass."""
+  waits unprefetched, the tied head's backward has at least the embedding's bucket gathered (and
+  the loss's backward no more than it), and NodeShards' own steps are put back afterwards;
+- the table has a row per prefetch depth and pass, and one per depth around the logits."""
 
 import torch
 
@@ -31,8 +32,10 @@ def test_a_run_counts_the_gathers_and_the_most_gathered(benchmark_script):
     assert forward["gathers"] >= result["buckets"]
     assert embedding / layer <= forward["most_layers"] <= 33  # 32 blocks, the embeddings and the final norm
     assert forward["unprefetched"] >= 1
+    around = result["around_the_logits_gib_at_6.7b"]
+    embedding_gib = embedding * 64**2 * 2 / 2**30
+    assert around[script.LOSS_BACKWARD] <= min(around[script.HEAD_BACKWARD], forward["most_gib_at_6.7b"])
+    assert embedding_gib <= around[script.HEAD_BACKWARD] <= result["passes"]["backward"]["most_gib_at_6.7b"]
     table = script.report([result], 64).splitlines()
-    assert [line.split(" | ")[:2] for line in table if line.startswith("| 1 ")] == [
-        ["| 1", "forward"],
-        ["| 1", "backward"],
-    ]
+    rows = [line.split(" | ")[:2] for line in table if line.startswith("| 1 ")]
+    assert rows == [["| 1", "forward"], ["| 1", "backward"], ["| 1", f"{around[script.LOSS_BACKWARD]:.2f}"]]
