@@ -15,6 +15,7 @@ import pytest
         ("strategies", ["--devices", "two"], "argument --devices: expected int, got 'two'"),
         ("node_gathers", ["--prefetch", "1,-1"], "argument --prefetch: [1, -1] holds a negative value"),
         ("node_gathers", ["--width", "66"], "argument --width: 66 is not a multiple of 4"),
+        ("logits_peak", ["--width", "200"], "argument --width: 200 is not a multiple of 128"),
     ],
 )
 def test_a_bad_argument_names_its_flag(script, args, message, capsys, tmp_path, monkeypatch, benchmark_script):
