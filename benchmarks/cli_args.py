@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from lightning_sdp4bit.simulation import parse_world
 
-__all__ = ["at_least", "simulated_world"]
+__all__ = ["at_least", "each_at_least", "simulated_world"]
 
 
 def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
@@ -22,6 +22,16 @@ def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text}")
         return value
+
+    return parse
+
+
+def each_at_least(minimum: int) -> Callable[[str], list[int]]:
+    """A type for argparse: comma-separated integers ("1,2"), each refused below `minimum`."""
+    one = at_least(minimum)
+
+    def parse(text: str) -> list[int]:
+        return [int(one(item)) for item in text.split(",")]
 
     return parse
 

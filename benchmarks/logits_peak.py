@@ -39,7 +39,7 @@ import tempfile
 
 import node_gathers
 import torch
-from cli_args import at_least
+from cli_args import at_least, each_at_least
 from emulation import Network
 from gpt_step import engine_step, make_optimizer
 
@@ -54,17 +54,13 @@ LOGITS = "logits"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefetch", default="1,2", help="comma-separated node_gather_prefetch values")
+    parser.add_argument(
+        "--prefetch", type=each_at_least(0), default=[1, 2], help="comma-separated node_gather_prefetch values"
+    )
     parser.add_argument("--width", type=at_least(HEAD_WIDTH), default=256, help="the scaled model's width (6.7B: 4096)")
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("--one", nargs=2, metavar=("MODE", "PREFETCH"), help=argparse.SUPPRESS)  # a child's run
     args = parser.parse_args(argv)
-    try:
-        args.prefetch = [int(value) for value in args.prefetch.split(",")]
-    except ValueError:
-        parser.error(f"argument --prefetch: {args.prefetch!r} is not a comma-separated list of integers")
-    if any(value < 0 for value in args.prefetch):
-        parser.error(f"argument --prefetch: {args.prefetch} holds a negative value; allowed: 0 or more")
     if args.width % HEAD_WIDTH:
         parser.error(f"argument --width: {args.width} is not a multiple of {HEAD_WIDTH} (the heads' width)")
     return args
@@ -185,11 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{"mode": "replicated", "prefetch": None, "bytes": measured_alone(args.width, "replicated", 0)}]
     for prefetch in args.prefetch:
         rows.append({"mode": "node", "prefetch": prefetch, "bytes": measured_alone(args.width, "node", prefetch)})
-    table = report(rows, args.width)
-    print(table, flush=True)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(table + "\n")
+    node_gathers.emit(report(rows, args.width), args.markdown)
 
 
 if __name__ == "__main__":

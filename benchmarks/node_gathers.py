@@ -37,7 +37,7 @@ import sys
 from collections.abc import Iterator
 
 import torch
-from cli_args import at_least
+from cli_args import at_least, each_at_least
 from emulated_runs import MODELS, ModelSpec
 from emulation import Network
 from gpt_step import VOCAB, engine_step, make_optimizer
@@ -57,17 +57,13 @@ LOSS_BACKWARD, HEAD_BACKWARD = "at the loss's backward", "until the head's backw
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefetch", default="1,2", help="comma-separated node_gather_prefetch values")
+    parser.add_argument(
+        "--prefetch", type=each_at_least(0), default=[1, 2], help="comma-separated node_gather_prefetch values"
+    )
     parser.add_argument("--width", type=at_least(64), default=64, help="the scaled model's width (6.7B: 4096)")
     parser.add_argument("--steps", type=at_least(2), default=3, help="steps run; the last is reported")
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args(argv)
-    try:
-        args.prefetch = [int(value) for value in args.prefetch.split(",")]
-    except ValueError:
-        parser.error(f"argument --prefetch: {args.prefetch!r} is not a comma-separated list of integers")
-    if any(value < 0 for value in args.prefetch):
-        parser.error(f"argument --prefetch: {args.prefetch} holds a negative value; allowed: 0 or more")
     if args.width % 4:
         parser.error(f"argument --width: {args.width} is not a multiple of 4 (the scaled model's heads)")
     return args
@@ -262,10 +258,14 @@ def report(results: list[dict], width: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results = [measure(args.width, prefetch, args.steps) for prefetch in args.prefetch]
-    table = report(results, args.width)
+    emit(report(results, args.width), args.markdown)
+
+
+def emit(table: str, markdown: str | None) -> None:
+    """Print the table, and write it to `markdown` if given."""
     print(table, flush=True)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
+    if markdown:
+        with open(markdown, "w") as handle:
             handle.write(table + "\n")
 
 

@@ -13,7 +13,7 @@ import pytest
             "argument --first-round: must be at least 0, got -1",
         ),
         ("strategies", ["--devices", "two"], "argument --devices: expected int, got 'two'"),
-        ("node_gathers", ["--prefetch", "1,-1"], "argument --prefetch: [1, -1] holds a negative value"),
+        ("node_gathers", ["--prefetch", "1,-1"], "argument --prefetch: must be at least 0, got -1"),
         ("node_gathers", ["--width", "66"], "argument --width: 66 is not a multiple of 4"),
         ("logits_peak", ["--width", "200"], "argument --width: 200 is not a multiple of 128"),
     ],
