@@ -7,16 +7,19 @@ CPU: the 6.7B bucket layout at a small width, bf16, rank 0 of an emulated 2 x 4 
 The model is `node_gathers.py`'s (every dimension that sets a bucket scaled from 6.7B), in bf16 as
 on the GPU, with 128-wide heads. Per mode (replicated, then node at each `--prefetch`), the third
 step runs under the profiler with memory events. The bytes allocated since the step began are
-followed between marks set by module hooks. The **logits stretch** runs from the head's forward
-until the logits' gradient is computed. The logits and their fp32 copies for the loss, the
-step's largest activations, are alive there, with whatever the node mode has gathered.
+followed between marks set by module hooks:
+- the **logits stretch**, from the head's forward until the logits' gradient is computed: the
+  logits and their fp32 copies for the loss, the step's largest activations, are alive there,
+  with whatever the node mode has gathered;
+- the **head's backward**, from there until the head's backward is done: the tied weights are
+  gathered again for it, beside the logits' gradient.
 
-Reported per run: the most allocated in the logits stretch, in MiB here and in GiB at 6.7B
-(x (4096 / width)^2), and for the node mode its excess over the replicated mode's. That excess,
-added to the replicated peak minus the held bytes the node mode saves, predicts the node mode's
-peak on the GPU.
+Reported per run: the most allocated in each, in MiB here, and the larger in GiB at 6.7B (x (4096
+/ width)^2); for the node mode, its excess over the replicated mode's. That excess, added to the
+replicated peak minus the held bytes the node mode saves, predicts the node mode's peak on the
+GPU.
 
-Why only that stretch:
+Why only these stretches:
 - **It is where the H200's 6.7B peak is.** Both modes peak the same on NVLink alone and at 100
   Gb/s (`results/node_sharding_runs/`), so the peak does not wait on a link. The node mode's
   excess here matched the H200's within 0.06 GiB, with two gathers ahead and with one
@@ -49,7 +52,7 @@ from lightning_sdp4bit.topology import Topology
 
 NODES, RANKS_PER_NODE = 2, 4  # a small world: buckets padded to (W x 2,048) elements stay near their size
 HEAD_WIDTH = 128  # the 6.7B model's: 4096 / 32 heads
-LOGITS = "logits"
+STRETCHES = {"logits": ("logits begins", "logits ends"), "head's backward": ("logits ends", "head backward ends")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,9 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def logits_stretch_bytes(width: int, mode: str, prefetch: int) -> int:
-    """The most bytes allocated since the profiled step began, between the head's forward and the
-    logits' gradient, for one mode of the scaled model."""
+def stretch_bytes(width: int, mode: str, prefetch: int) -> dict[str, int]:
+    """The most bytes allocated since the profiled step began in each of `STRETCHES`, for one mode
+    of the scaled model."""
     scaled, layout = node_gathers.scaled_config(width, prefetch)
     spec = dataclasses.replace(scaled, n_head=width // HEAD_WIDTH)
     overrides = {"node_gather_prefetch": prefetch} if mode == "node" else {}
@@ -87,7 +90,7 @@ def logits_stretch_bytes(width: int, mode: str, prefetch: int) -> int:
         model = spec.build(torch.device("meta") if mode == "node" else device)  # bf16, as on the GPU
         engine = ShardedEngine(model, config, topology, network.groups(), device=device)
         try:
-            _mark_the_logits(model)
+            _mark_the_stretches(model)
             optimizer = make_optimizer(model.parameters(), device)
             engine.shard_optimizer(optimizer)
             tokens = spec.tokens(device)
@@ -97,11 +100,13 @@ def logits_stretch_bytes(width: int, mode: str, prefetch: int) -> int:
                 engine_step(model, engine, optimizer, tokens)
         finally:
             engine.close()
-    return _most_between(_trace_events(prof), f"{LOGITS} begins", f"{LOGITS} ends")
+    events = _trace_events(prof)
+    return {name: _most_between(events, *marks) for name, marks in STRETCHES.items()}
 
 
-def _mark_the_logits(model: torch.nn.Module) -> None:
-    """Profiler marks at the head's forward and when the logits' gradient is computed."""
+def _mark_the_stretches(model: torch.nn.Module) -> None:
+    """Profiler marks at the head's forward, when the logits' gradient is computed, and when the
+    head's backward is done."""
 
     def mark(name: str) -> None:
         with torch.profiler.record_function(name):
@@ -109,10 +114,11 @@ def _mark_the_logits(model: torch.nn.Module) -> None:
 
     def on_logits(module, args, logits: torch.Tensor) -> None:
         if logits.requires_grad:
-            logits.register_hook(lambda grad: mark(f"{LOGITS} ends"))
+            logits.register_hook(lambda grad: mark("logits ends"))
 
-    model.lm_head.register_forward_pre_hook(lambda module, args: mark(f"{LOGITS} begins"))
+    model.lm_head.register_forward_pre_hook(lambda module, args: mark("logits begins"))
     model.lm_head.register_forward_hook(on_logits)
+    model.lm_head.register_full_backward_hook(lambda module, grad_input, grad_output: mark("head backward ends"))
 
 
 def _trace_events(prof: torch.profiler.profile) -> list[dict]:
@@ -143,40 +149,44 @@ def _most_between(events: list[dict], begins: str, ends: str) -> int:
 
 
 def report(rows: list[dict], width: int) -> str:
+    """A row per run: the most allocated in each stretch (MiB), the larger at 6.7B, and the node
+    mode's excess over the replicated mode's at 6.7B."""
     to_full_gib = (node_gathers.FULL.n_embd / width) ** 2 / 2**30
-    replicated = next(row["bytes"] for row in rows if row["mode"] == "replicated")
+    replicated = max(next(row["bytes"] for row in rows if row["mode"] == "replicated").values())
+    names = list(STRETCHES)
     lines = [
-        f"The logits stretch (the head's forward to the logits' gradient), the 6.7B layout at width {width}, bf16, "
-        f"rank 0 of {NODES} x {RANKS_PER_NODE}:",
+        f"The 6.7B layout at width {width}, bf16, rank 0 of {NODES} x {RANKS_PER_NODE}; most allocated since the "
+        "step began:",
         "",
-        "| mode | gathers ahead | most allocated (MiB) | at 6.7B (GiB) | above replicated at 6.7B (GiB) |",
-        "|---|---|---|---|---|",
+        f"| mode | gathers ahead | {' (MiB) | '.join(names)} (MiB) | the larger at 6.7B (GiB) "
+        "| above replicated at 6.7B (GiB) |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
-        above = f"{(row['bytes'] - replicated) * to_full_gib:.2f}" if row["mode"] == "node" else ""
+        most = max(row["bytes"].values())
+        above = f"{(most - replicated) * to_full_gib:.2f}" if row["mode"] == "node" else ""
         ahead = row["prefetch"] if row["mode"] == "node" else ""
-        lines.append(
-            f"| {row['mode']} | {ahead} | {row['bytes'] / 2**20:.2f} | {row['bytes'] * to_full_gib:.2f} | {above} |"
-        )
+        stretches = " | ".join(f"{row['bytes'][name] / 2**20:.2f}" for name in names)
+        lines.append(f"| {row['mode']} | {ahead} | {stretches} | {most * to_full_gib:.2f} | {above} |")
     return "\n".join(lines)
 
 
-def measured_alone(width: int, mode: str, prefetch: int) -> int:
-    """`logits_stretch_bytes` in a fresh process: the profiler's CPU memory count carries over
-    from earlier sessions in a process, and counts the frees of their blocks (an earlier run's,
+def measured_alone(width: int, mode: str, prefetch: int) -> dict[str, int]:
+    """`stretch_bytes` in a fresh process: the profiler's CPU memory count carries over from
+    earlier sessions in a process, and counts the frees of their blocks (an earlier run's,
     collected late) against this one."""
     command = [sys.executable, os.path.abspath(__file__), "--width", str(width), "--one", mode, str(prefetch)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:
         raise RuntimeError(f"{mode} (gathers ahead {prefetch}) failed:\n{result.stderr[-4000:]}")
-    return int(result.stdout.split()[-1])
+    return json.loads(result.stdout.splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.one:
         mode, prefetch = args.one
-        print(logits_stretch_bytes(args.width, mode, int(prefetch)))
+        print(json.dumps(stretch_bytes(args.width, mode, int(prefetch))))
         return
     rows = [{"mode": "replicated", "prefetch": None, "bytes": measured_alone(args.width, "replicated", 0)}]
     for prefetch in args.prefetch:
