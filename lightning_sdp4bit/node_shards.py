@@ -37,6 +37,9 @@ When is a bucket gathered, and when released:
   model fed data) has no moment that says its backward is done: its buckets wait for their
   gradients.
 
+Gathers start ahead of the module that waits for them (`node_gather_prefetch`), in the order the
+last pass of the same kind needed buckets (`gather_order`).
+
 What this costs: an intra-node all-gather of (L - 1)/L x N x 2 bytes (bf16) per bucket before
 each forward and each backward, on NVLink; its gain: (L - 1)/L of the weights' bytes held.
 """
@@ -52,6 +55,7 @@ from torch import nn
 
 from lightning_sdp4bit import comm
 from lightning_sdp4bit.buffers import Bucket, as_words
+from lightning_sdp4bit.gather_order import GatherOrder
 from lightning_sdp4bit.stats import WireMeter
 from lightning_sdp4bit.topology import ProcessGroups, Topology
 from lightning_sdp4bit.weight_access import StackedMode, params_touched, unseen
@@ -136,6 +140,7 @@ class NodeShards:
         self._unseen_backward: set[int] = set()
         self._arrived: list[int] = [0] * len(buckets)  # gradients in by this backward, per bucket
         self._landing: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> its gather in flight, [L, M * S]
+        self.order = GatherOrder()  # what to prefetch: the order the last pass needed buckets in
         watched = {id(param): index for index, bucket in enumerate(buckets) for param in bucket.params}
         self.guard = ReleasedReadGuard(self._read, watched)
         for index, bucket in enumerate(buckets):
@@ -150,22 +155,30 @@ class NodeShards:
     @unseen
     def gather(self, indices: Iterable[int]) -> None:
         """Make these buckets' full weights the parameters' storage again, then start the gathers
-        of the next `gathers_ahead` buckets in the order the pass reaches them (forward: the
-        first layers are in the last bucket; backward: the reverse, and only buckets a backward
-        still to come reads), so that they cross NVLink while this module computes. Collective
-        inside the node: every rank of it gathers the same buckets in the same order (the same
-        module forwards, the same reads)."""
+        of the next `gathers_ahead` buckets the pass will need (`gather_order`), so that they
+        cross NVLink while this module computes. Collective inside the node: every rank of it
+        gathers the same buckets in the same order (the same module forwards, the same reads)."""
         indices = list(indices)
         for index in indices:
             if not self.gathered[index]:
                 self._land(index)
         if indices:
-            step = 1 if _in_backward() else -1
-            ahead = max(indices) if step == 1 else min(indices)
-            for index in range(ahead + step, ahead + step * (self.gathers_ahead + 1), step):
-                if 0 <= index < len(self.buckets) and not self.gathered[index] and index not in self._landing:
-                    if step == -1 or self._backward_due[index] or index in self._unseen_backward:
-                        self._start(index)
+            backward = _in_backward()
+            self.order.needed(indices, backward)
+            planned = self.order.after(indices, backward, self.gathers_ahead)
+            for index in self._by_index(indices, backward) if planned is None else planned:
+                if not self.gathered[index] and index not in self._landing:
+                    self._start(index)
+
+    def _by_index(self, indices: list[int], backward: bool) -> list[int]:
+        """The next buckets guessed by index, where the pass has no plan: forward, the first layers
+        are in the last bucket; backward, the reverse, of the buckets a backward still reads."""
+        step = 1 if backward else -1
+        ahead = max(indices) if backward else min(indices)
+        nearby = [
+            i for i in range(ahead + step, ahead + step * (self.gathers_ahead + 1), step) if 0 <= i < len(self.buckets)
+        ]
+        return [i for i in nearby if not backward or self._backward_due[i] or i in self._unseen_backward]
 
     def _start(self, index: int) -> None:
         """Launch bucket `index`'s intra-node all-gather: its node slices [L, M, S] land local-major."""
@@ -276,6 +289,7 @@ class NodeShards:
         the forward gathers what it uses."""
         self.release([i for i, gathered in enumerate(self.gathered) if gathered and i not in self.sticky])
         self._running.clear()  # a forward that raised left its modules here
+        self.order.forward_starts()
         self._backward_due = [0] * len(self.buckets)
         self._unseen_backward.clear()
 
@@ -289,6 +303,7 @@ class NodeShards:
 
     def before_backward(self) -> None:
         self._arrived = [0] * len(self.buckets)
+        self.order.forward_done()
 
     def grad_arrived(self, index: int) -> None:
         """One parameter of bucket `index` has its gradient of this backward; once all have, the
