@@ -22,20 +22,22 @@ When is a bucket gathered, and when released:
   releases each once every module owning parameters in it has run forward (not inside backward,
   where activation checkpointing recomputes forwards whose backward follows at once), and, with
   gradients enabled, registers a hook on the outputs that gathers them again before that part
-  of backward runs, and one on the inputs that says when that part is done. `nn.Embedding` gets
-  neither: its backward scatters the output's gradient by the indices and reads no weight;
+  of backward runs, and, for a bucket holding a tied parameter or an embedding's, one on the
+  inputs that says when that part is done. `nn.Embedding` gets neither: its backward scatters
+  the output's gradient by the indices and reads no weight;
 - any other torch operation on a released parameter (a weight read outside its module's
   forward: a functional tied head, a penalty over the parameters, a callback) gathers its
   bucket first (`ReleasedReadGuard`). Read so in a forward with gradients enabled, gathered or
   not, the bucket stays until that backward is done (autograd saved the parameter itself, and no
   module's backward says when it is read);
-- in backward, a bucket is released once the backward of every forward call of its modules is
-  done (FSDP2's reshard after backward: a head tied to the token embedding lets its bucket go
-  after the head's backward, not at the end, when the embedding's gradient completes the tied
-  parameter's), or else once every parameter in it has its gradient; after backward, and before
-  the optimizer step, the rest are. A call whose inputs need no gradient (the first module of a
+- in backward, a bucket is released once every parameter in it has its gradient, which comes
+  right after its modules' backward, unless the bucket holds a parameter of two modules (a head
+  tied to the token embedding) or of an nn.Embedding: the tied parameter's gradient completes
+  only at the embedding's backward, the last. Such a bucket is released once the backward of
+  every forward call of its modules is done (FSDP2's reshard after backward), so the tied head's
+  goes after the head's backward. A call whose inputs need no gradient (the first module of a
   model fed data) has no moment that says its backward is done: its buckets wait for their
-  gradients.
+  gradients. After backward, and before the optimizer step, the rest are released.
 
 Gathers start ahead of the module that waits for them (`node_gather_prefetch`), in the order the
 last pass of the same kind needed buckets (`gather_order`).
@@ -134,8 +136,13 @@ class NodeShards:
         self._users: list[set[int]] = [set() for _ in buckets]  # modules owning parameters in each bucket
         self._owners: dict[int, set[int]] = {}  # id(parameter) -> the modules owning it (two when tied)
         self._running: list[int] = []  # the hooked modules whose forward is running, innermost last
-        # This forward's module calls whose backward is still to come, per bucket, and the buckets
-        # of calls whose backward's end cannot be seen (no input needs a gradient).
+        # Buckets whose gradients can all be in well after the last backward that reads them: they
+        # hold a parameter of two modules (a tied head's) or of an nn.Embedding (which reads none).
+        # Their modules' calls say when their backward is done; every other bucket is released at
+        # its gradients, which come right after its modules' backward anyway.
+        self.early = [False] * len(buckets)
+        # This forward's module calls whose backward is still to come, per early bucket, and the
+        # early buckets of calls whose backward's end cannot be seen (no input needs a gradient).
         self._backward_due: list[int] = [0] * len(buckets)
         self._unseen_backward: set[int] = set()
         self._arrived: list[int] = [0] * len(buckets)  # gradients in by this backward, per bucket
@@ -178,7 +185,11 @@ class NodeShards:
         nearby = [
             i for i in range(ahead + step, ahead + step * (self.gathers_ahead + 1), step) if 0 <= i < len(self.buckets)
         ]
-        return [i for i in nearby if not backward or self._backward_due[i] or i in self._unseen_backward]
+        return [
+            i
+            for i in nearby
+            if not backward or not self.early[i] or self._backward_due[i] or i in self._unseen_backward
+        ]
 
     def _start(self, index: int) -> None:
         """Launch bucket `index`'s intra-node all-gather: its node slices [L, M, S] land local-major."""
@@ -233,13 +244,16 @@ class NodeShards:
         self.release(range(len(self.buckets)))
 
     def _read(self, param_id: int) -> None:
-        """A torch operation reads this parameter (`ReleasedReadGuard`). Unless it is a module's
-        forward reading its own gathered weights (whose backward's end `after_module_backward`
-        sees), keep the bucket for the backward where autograd may save the parameter, and gather
-        it if it is released."""
+        """A torch operation reads this parameter (`ReleasedReadGuard`). Keep the bucket for the
+        backward where autograd may save the parameter, and gather it if it is released; a
+        gathered bucket need not be kept when it is released at its gradients (which come after
+        every saved use) or when this is its module's forward (whose backward's end
+        `after_module_backward` sees)."""
         index = self.guard.watched[param_id]
         gathered = self.gathered[index]
-        if gathered and self._running and self._running[-1] in self._owners.get(param_id, ()):
+        if gathered and (
+            not self.early[index] or (self._running and self._running[-1] in self._owners.get(param_id, ()))
+        ):
             return
         if torch.is_grad_enabled() and not _in_backward():
             self.sticky.add(index)
@@ -253,7 +267,10 @@ class NodeShards:
         for index in indices:
             self._users[index].add(id(module))
         for param in module.parameters(recurse=False):
-            self._owners.setdefault(id(param), set()).add(id(module))
+            owners = self._owners.setdefault(id(param), set())
+            owners.add(id(module))
+            if id(param) in self.guard.watched and (len(owners) > 1 or type(module) is nn.Embedding):
+                self.early[self.guard.watched[id(param)]] = True
 
     def before_module_forward(self, module: nn.Module, indices: list[int]) -> None:
         self._running.append(id(module))
@@ -271,13 +288,14 @@ class NodeShards:
         outputs = _needing_grad(output)
         if outputs and type(module) is not nn.Embedding:  # an Embedding's backward reads no weight
             _on_grads(outputs, _RegatherHook(self, indices), mode="any")  # before any of it runs
-            inputs_ = _needing_grad(inputs)
+            early = [index for index in indices if self.early[index]]
+            inputs_ = _needing_grad(inputs) if early else []
             if inputs_:
-                _on_grads(inputs_, _BackwardDoneHook(self, indices), mode="all")  # once all of it ran
-                for index in indices:
+                _on_grads(inputs_, _BackwardDoneHook(self, early), mode="all")  # once all of it ran
+                for index in early:
                     self._backward_due[index] += 1
             else:
-                self._unseen_backward.update(indices)
+                self._unseen_backward.update(early)
         for index in indices:
             waiting = self._waiting_users[index]
             waiting.discard(id(module))

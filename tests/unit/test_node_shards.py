@@ -11,8 +11,8 @@
   head's backward is done, and an embedding's bucket is never gathered for the backward (an
   nn.Embedding's backward reads no weight): tied, the bucket is gathered twice a step (the
   forward, the head's backward), untied once;
-- a parameter read between its modules' forwards, its bucket gathered, keeps the bucket until the
-  end of the backward: no module's backward says when autograd is done with it.
+- a tied parameter read between its modules' forwards, its bucket gathered, keeps the bucket
+  until the end of the backward: no module's backward says when autograd is done with it.
 """
 
 import pytest
@@ -133,11 +133,13 @@ def test_the_embeddings_bucket_is_not_held_through_the_backward(tied, benchmark_
 
 
 class _ReadBetweenItsModules(nn.Module):
-    """`b.weight` read after a's forward and before b's, where a and b share a bucket."""
+    """`b.weight` read after a's forward and before b's; a and b share it (tied), so their bucket is
+    released after their backward, not at its gradients."""
 
     def __init__(self):
         super().__init__()
         self.c, self.a, self.b = (nn.Linear(64, 64) for _ in range(3))
+        self.b.weight = self.a.weight
 
     def forward(self, x):
         u = self.c(x)
@@ -149,7 +151,7 @@ class _ReadBetweenItsModules(nn.Module):
 def test_a_read_between_its_modules_forwards_keeps_the_bucket_until_the_backward_ends(benchmark_script):
     torch.manual_seed(0)
     model = _ReadBetweenItsModules()
-    with emulated_engine(benchmark_script, model, bucket_numel=2 * (64 * 64 + 64), weight_sharding="node") as engine:
+    with emulated_engine(benchmark_script, model, bucket_numel=64 * 64 + 2 * 64, weight_sharding="node") as engine:
         shards = engine.primary.node_shards
         bucket_of = {id(p): b.layout.index for b in engine.buckets for p in b.params}
         shared = bucket_of[id(model.b.weight)]
