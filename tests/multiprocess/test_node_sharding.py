@@ -2,8 +2,10 @@
 - for presets baseline, qwd, tlq_hs and sdp4bit, after 3 optimizer steps of 2 accumulated
   micro-batches with clipping by the global norm, every rank's losses, weights, fp32 master shards
   and optimizer state are equal bit for bit (bf16 weights, AdamW with weight decay), on the tiny
-  tied-embedding model, on the same model with each block under activation checkpointing, and on
-  a GPT-2-shaped one whose buckets the backward releases module by module;
+  tied-embedding model, on the same model with each block under activation checkpointing, on a
+  GPT-2-shaped one whose tied bucket the backward releases after the head's backward, and on the
+  same with every third forward skipping a block (its gathers prefetched by the last pass's
+  order, which that pass does not follow);
 - between steps each rank holds 1/L of the weights: every bucket is released (its parameters
   NaN placeholders of their shapes) and its node slice holds M of the W shards;
 - a NaN written into a weight (through the guard's gather) stops every rank after the first skipped
@@ -42,7 +44,24 @@ class CheckpointedLM(TinyLM):
         return self.head(self.norm(x))
 
 
-MODELS = {"plain": TinyLM, "checkpointed": CheckpointedLM, "gpt": TiedGPT}
+class SkippingGPT(TiedGPT):
+    """TiedGPT whose every third forward skips its second block: control flow that changes from
+    one pass to the next, alike on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for number, block in enumerate(self.blocks):
+            if not (number == 1 and self.calls % 3 == 0):
+                x = x + block(x)
+        return self.head(self.ln_f(x))
+
+
+MODELS = {"plain": TinyLM, "checkpointed": CheckpointedLM, "gpt": TiedGPT, "gpt-skipping": SkippingGPT}
 
 
 def _config(preset: str, sharding: str) -> SDP4BitConfig:
