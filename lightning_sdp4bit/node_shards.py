@@ -27,9 +27,10 @@ When is a bucket gathered, and when released:
   the output's gradient by the indices and reads no weight;
 - any other torch operation on a released parameter (a weight read outside its module's
   forward: a functional tied head, a penalty over the parameters, a callback) gathers its
-  bucket first (`ReleasedReadGuard`). Read so in a forward with gradients enabled, gathered or
-  not, the bucket stays until that backward is done (autograd saved the parameter itself, and no
-  module's backward says when it is read);
+  bucket first (`ReleasedReadGuard`). Read so in a forward with gradients enabled, the bucket
+  stays until that backward is done (autograd saved the parameter itself); so does a bucket of
+  shared weights (below) read, gathered, outside its own modules' forwards, since no module's
+  backward says when autograd reads it there;
 - in backward, a bucket is released once every parameter in it has its gradient, which comes
   right after its modules' backward, unless the bucket holds a parameter of two modules (a head
   tied to the token embedding) or of an nn.Embedding: the tied parameter's gradient completes
@@ -131,7 +132,7 @@ class NodeShards:
         self.gathers_ahead = gathers_ahead  # SDP4BitConfig.node_gather_prefetch
         self.gathered = [True] * len(buckets)  # as allocated: full weights
         self.closed = False  # after the engine's close: gathered for good
-        self.sticky: set[int] = set()  # read outside their modules' forwards with gradients: kept until backward ends
+        self.sticky: set[int] = set()  # read for autograd where no module's backward says when: kept to its end
         self._waiting_users: list[set[int]] = [set() for _ in buckets]  # modules yet to run forward, per bucket
         self._users: list[set[int]] = [set() for _ in buckets]  # modules owning parameters in each bucket
         self._owners: dict[int, set[int]] = {}  # id(parameter) -> the modules owning it (two when tied)
@@ -277,10 +278,11 @@ class NodeShards:
         self.gather(indices)
 
     @unseen
-    def after_module_forward(self, module: nn.Module, indices: list[int], inputs: tuple, output: Any) -> None:
+    def after_module_forward(self, module: nn.Module, indices: list[int], inputs: Any, output: Any) -> None:
         """Release the buckets every user of which has run forward; with gradients enabled, gather
-        them again before the backward through this output and count the backward through its
-        `inputs` (the positional and keyword arguments) as due."""
+        them again before the backward through this output, and for buckets of shared weights
+        (`early`) count the backward through its `inputs` (its one tensor argument, or its
+        positional and keyword arguments) as due."""
         if self._running and self._running[-1] == id(module):
             self._running.pop()
         if _in_backward():
