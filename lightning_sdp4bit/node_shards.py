@@ -34,11 +34,14 @@ When is a bucket gathered, and when released:
 - in backward, a bucket is released once every parameter in it has its gradient, which comes
   right after its modules' backward, unless the bucket holds a parameter of two modules (a head
   tied to the token embedding) or of an nn.Embedding: the tied parameter's gradient completes
-  only at the embedding's backward, the last. Such a bucket is released once the backward of
-  every forward call of its modules is done (FSDP2's reshard after backward), so the tied head's
-  goes after the head's backward. A call whose inputs need no gradient (the first module of a
-  model fed data) has no moment that says its backward is done: its buckets wait for their
-  gradients. After backward, and before the optimizer step, the rest are released.
+  only at the embedding's backward, the last. Such a bucket is released as soon as no forward
+  call of its modules is inside its backward (FSDP2's reshard after backward): the tied head's
+  goes after the head's backward. A call whose backward is still to come gathers it again (the
+  hook on its outputs; a recomputed forward's pre-hook): a GPT's first LayerNorm shares the
+  embedding's bucket, and needs it only at the end. A call whose inputs need no gradient (the
+  first module of a model fed data) has no moment that says its backward is done: once it has
+  begun, its buckets wait for their gradients. After backward, and before the optimizer step,
+  the rest are released.
 
 Gathers start ahead of the module that waits for them (`node_gather_prefetch`), in the order the
 last pass of the same kind needed buckets (`gather_order`).
@@ -142,10 +145,10 @@ class NodeShards:
         # Their modules' calls say when their backward is done; every other bucket is released at
         # its gradients, which come right after its modules' backward anyway.
         self.early = [False] * len(buckets)
-        # This forward's module calls whose backward is still to come, per early bucket, and the
-        # early buckets of calls whose backward's end cannot be seen (no input needs a gradient).
+        # Per early bucket: this forward's module calls whose backward has not been seen to end,
+        # and those of them whose backward has begun (regathered) and not been seen to end.
         self._backward_due: list[int] = [0] * len(buckets)
-        self._unseen_backward: set[int] = set()
+        self._in_backward: list[int] = [0] * len(buckets)
         self._arrived: list[int] = [0] * len(buckets)  # gradients in by this backward, per bucket
         self._landing: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> its gather in flight, [L, M * S]
         self.order = GatherOrder()  # what to prefetch: the order the last pass needed buckets in
@@ -186,11 +189,7 @@ class NodeShards:
         nearby = [
             i for i in range(ahead + step, ahead + step * (self.gathers_ahead + 1), step) if 0 <= i < len(self.buckets)
         ]
-        return [
-            i
-            for i in nearby
-            if not backward or not self.early[i] or self._backward_due[i] or i in self._unseen_backward
-        ]
+        return [i for i in nearby if not backward or not self.early[i] or self._backward_due[i]]
 
     def _start(self, index: int) -> None:
         """Launch bucket `index`'s intra-node all-gather: its node slices [L, M, S] land local-major."""
@@ -291,13 +290,11 @@ class NodeShards:
         if outputs and type(module) is not nn.Embedding:  # an Embedding's backward reads no weight
             _on_grads(outputs, _RegatherHook(self, indices), mode="any")  # before any of it runs
             early = [index for index in indices if self.early[index]]
+            for index in early:
+                self._backward_due[index] += 1
             inputs_ = _needing_grad(inputs) if early else []
-            if inputs_:
+            if inputs_:  # else its backward's end is never seen: begun, it keeps `early` to the gradients
                 _on_grads(inputs_, _BackwardDoneHook(self, early), mode="all")  # once all of it ran
-                for index in early:
-                    self._backward_due[index] += 1
-            else:
-                self._unseen_backward.update(early)
         for index in indices:
             waiting = self._waiting_users[index]
             waiting.discard(id(module))
@@ -311,14 +308,24 @@ class NodeShards:
         self._running.clear()  # a forward that raised left its modules here
         self.order.forward_starts()
         self._backward_due = [0] * len(self.buckets)
-        self._unseen_backward.clear()
+        self._in_backward = [0] * len(self.buckets)
+
+    def before_module_backward(self, indices: list[int]) -> None:
+        """One module call's backward is about to run (its output's gradient is computed): gather
+        its buckets, and count it inside the backward of those of shared weights."""
+        for index in indices:
+            if self.early[index]:
+                self._in_backward[index] += 1
+        self.gather(indices)
 
     def after_module_backward(self, indices: list[int]) -> None:
         """One module call's backward is done (its inputs' gradients are computed): release the
-        buckets no backward still to come reads."""
+        buckets no call is inside the backward of. A call whose backward is still to come gathers
+        them again; embeddings' calls read none."""
         for index in indices:
             self._backward_due[index] -= 1
-            if self._backward_due[index] == 0 and index not in self._unseen_backward and index not in self.sticky:
+            self._in_backward[index] = max(0, self._in_backward[index] - 1)  # 0: its outputs got no gradient
+            if not self._in_backward[index] and index not in self.sticky:
                 self.release([index])
 
     def before_backward(self) -> None:
@@ -369,7 +376,7 @@ class _RegatherHook:
         self.shards, self.indices = shards, indices
 
     def __call__(self, grad: torch.Tensor) -> None:
-        self.shards.gather(self.indices)  # returns None: the gradient passes on unchanged
+        self.shards.before_module_backward(self.indices)  # returns None: the gradient passes on unchanged
 
 
 def _needing_grad(value: Any) -> list[torch.Tensor]:

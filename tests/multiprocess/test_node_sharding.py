@@ -3,7 +3,8 @@
   micro-batches with clipping by the global norm, every rank's losses, weights, fp32 master shards
   and optimizer state are equal bit for bit (bf16 weights, AdamW with weight decay), on the tiny
   tied-embedding model, on the same model with each block under activation checkpointing, on a
-  GPT-2-shaped one whose tied bucket the backward releases after the head's backward, and on the
+  GPT-2-shaped one whose tied bucket the backward releases after the head's backward and gathers
+  again for the first block's (which shares it), and on the
   same with every third forward skipping a block (its gathers prefetched by the last pass's
   order, which that pass does not follow);
 - between steps each rank holds 1/L of the weights: every bucket is released (its parameters

@@ -90,8 +90,20 @@ def test_node_gather_prefetch_starts_that_many_gathers_ahead_of_the_forward(ahea
     assert seen == expected
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_the_embeddings_bucket_is_not_held_through_the_backward(tied, benchmark_script, monkeypatch):
+# The token embedding's bucket, by bucket_numel (a bucket closes once it holds that many elements
+# or more): at 1,152 the first block's LayerNorm (128) and the position embedding (1,024) close
+# one, and the token embedding (8,192) gets a bucket of its own; at 9,344 the three share one, as
+# in the example GPT at 6.7B, so the first block's backward needs the bucket again.
+EMBEDDING_BUCKETS = {
+    "own": (1152, ["wte.weight"]),
+    "with_layernorm": (9344, ["blocks.0.0.bias", "blocks.0.0.weight", "wpe.weight", "wte.weight"]),
+}
+
+
+@pytest.mark.parametrize(
+    ("tied", "layout"), [(True, "own"), (False, "own"), (True, "with_layernorm")], ids=["tied", "untied", "tied-shared"]
+)
+def test_the_embeddings_bucket_is_not_held_through_the_backward(tied, layout, benchmark_script, monkeypatch):
     torch.manual_seed(0)
     model = TiedGPT(vocab=128, width=64)
     if not tied:
@@ -99,13 +111,12 @@ def test_the_embeddings_bucket_is_not_held_through_the_backward(tied, benchmark_
     started = []
     start = NodeShards._start
     monkeypatch.setattr(NodeShards, "_start", lambda self, index: (started.append(index), start(self, index))[1])
-    # A bucket closes once it holds 1,152 elements or more: the first block's LayerNorm (128) and the
-    # position embedding (1,024) close one, and the token embedding (8,192) gets a bucket of its own.
-    config = {"bucket_numel": 1152, "first_bucket_numel": 1152, "weight_sharding": "node"}
+    bucket_numel, slots = EMBEDDING_BUCKETS[layout]
+    config = {"bucket_numel": bucket_numel, "first_bucket_numel": bucket_numel, "weight_sharding": "node"}
     with emulated_engine(benchmark_script, model, **config) as engine:
         shards = engine.primary.node_shards
         embedding = next(b.layout.index for b in engine.buckets if any(p is model.wte.weight for p in b.params))
-        assert [slot.name for slot in engine.buckets[embedding].layout.slots] == ["wte.weight"]
+        assert [slot.name for slot in engine.buckets[embedding].layout.slots] == slots
         held_in_blocks_backward = []
         for block in model.blocks:
             block.register_full_backward_pre_hook(
@@ -124,7 +135,8 @@ def test_the_embeddings_bucket_is_not_held_through_the_backward(tied, benchmark_
             loss.backward()
             engine.post_backward()
             assert held_in_blocks_backward == [False, False]
-            assert started.count(embedding) == (2 if tied else 1)
+            # The forward's gather; the tied head's backward's; the first LayerNorm's backward's.
+            assert started.count(embedding) == 1 + tied + (layout == "with_layernorm")
             assert not any(shards.gathered)
             engine.clip_grad_norm(1.0)
             engine.pre_optimizer_step()
