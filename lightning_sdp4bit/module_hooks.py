@@ -42,7 +42,8 @@ def register_hooks(engine: ShardedEngine) -> list[Any]:
         handles.append(module.register_forward_pre_hook(_WeightWaitHook(engine, indices)))
         if shards is not None:
             shards.add_user(module, indices)
-            handles.append(module.register_forward_hook(_ReleaseHook(shards.after_module_forward, indices)))
+            release = _ReleaseHook(shards.after_module_forward, indices)
+            handles.append(module.register_forward_hook(release, with_kwargs=True))
     return handles
 
 
@@ -68,20 +69,21 @@ class _WeightWaitHook:
         if shards is None:
             self.engine.wait_weights(self.indices)
         else:
-            shards.gather(self.indices)
+            shards.before_module_forward(module, self.indices)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:
         return _InertHook()
 
 
 class _ReleaseHook:
-    """Forward hook (weights sharded inside the node): this module's forward is done."""
+    """Forward hook (weights sharded inside the node): this module's forward is done; its inputs
+    (one tensor, most often) and output go with it."""
 
-    def __init__(self, done: Callable[[nn.Module, list[int], Any], None], indices: list[int]):
+    def __init__(self, done: Callable[[nn.Module, list[int], Any, Any], None], indices: list[int]):
         self.done, self.indices = done, indices
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.done(module, self.indices, output)
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.done(module, self.indices, args[0] if len(args) == 1 and not kwargs else (args, kwargs), output)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:
         return _InertHook()

@@ -44,7 +44,7 @@ from lightning_sdp4bit import ops
 if TYPE_CHECKING:
     from lightning_sdp4bit.buffers import Bucket
 
-__all__ = ["DataWriteTracker", "ReadGuard", "StackedMode", "WeightAccess", "buckets_touched", "unseen"]
+__all__ = ["DataWriteTracker", "ReadGuard", "StackedMode", "WeightAccess", "params_touched", "unseen"]
 
 # What `p.data` calls (equal, not identical, each time); a getset descriptor, not a Tensor.
 _DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
@@ -67,18 +67,18 @@ def unseen(method: _Method) -> _Method:
     return without_modes  # type: ignore[return-value]
 
 
-def buckets_touched(table: dict[int, int], args: tuple, kwargs: dict) -> list[int]:
-    """The buckets (`table`: id(parameter) -> bucket) of the parameters among a torch call's
-    arguments, one level into lists (torch.cat, the foreach ops). Every torch call of a forward
-    comes through here while a guard is pushed: plain loops, no generator."""
+def params_touched(table: dict[int, Any], args: tuple, kwargs: dict) -> list[int]:
+    """The ids of the parameters (`table`'s keys: id(parameter)) among a torch call's arguments,
+    one level into lists (torch.cat, the foreach ops). Every torch call of a forward comes through
+    here while a guard is pushed: plain loops, no generator."""
     found = []
     for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, (list, tuple)):
             for item in value:
                 if id(item) in table:
-                    found.append(table[id(item)])
+                    found.append(id(item))
         elif id(value) in table:
-            found.append(table[id(value)])
+            found.append(id(value))
     return found
 
 
@@ -128,8 +128,10 @@ class ReadGuard(StackedMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.active and self.pending:
-            for index in buckets_touched(self.pending, args, kwargs):
-                self._wait(index)
+            for param_id in params_touched(self.pending, args, kwargs):
+                index = self.pending.get(param_id)  # None once a wait before it landed the bucket
+                if index is not None:
+                    self._wait(index)
         return func(*args, **kwargs)
 
 

@@ -2,7 +2,11 @@
 - for presets baseline, qwd, tlq_hs and sdp4bit, after 3 optimizer steps of 2 accumulated
   micro-batches with clipping by the global norm, every rank's losses, weights, fp32 master shards
   and optimizer state are equal bit for bit (bf16 weights, AdamW with weight decay), on the tiny
-  tied-embedding model and on the same model with each block under activation checkpointing;
+  tied-embedding model, on the same model with each block under activation checkpointing, on a
+  GPT-2-shaped one whose tied bucket the backward releases after the head's backward and gathers
+  again for the first block's (which shares it), and on the
+  same with every third forward skipping a block (its gathers prefetched by the last pass's
+  order, which that pass does not follow);
 - between steps each rank holds 1/L of the weights: every bucket is released (its parameters
   NaN placeholders of their shapes) and its node slice holds M of the W shards;
 - a NaN written into a weight (through the guard's gather) stops every rank after the first skipped
@@ -21,7 +25,7 @@ import contextlib
 import pytest
 import torch
 from distributed import run_workers
-from models import TinyLM, batch
+from models import TiedGPT, TinyLM, batch
 from states import assert_same_state
 from torch.utils.checkpoint import checkpoint
 
@@ -39,6 +43,26 @@ class CheckpointedLM(TinyLM):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         return self.head(self.norm(x))
+
+
+class SkippingGPT(TiedGPT):
+    """TiedGPT whose every third forward skips its second block: control flow that changes from
+    one pass to the next, alike on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for number, block in enumerate(self.blocks):
+            if not (number == 1 and self.calls % 3 == 0):
+                x = x + block(x)
+        return self.head(self.ln_f(x))
+
+
+MODELS = {"plain": TinyLM, "checkpointed": CheckpointedLM, "gpt": TiedGPT, "gpt-skipping": SkippingGPT}
 
 
 def _config(preset: str, sharding: str) -> SDP4BitConfig:
@@ -80,11 +104,11 @@ def _job(rank, world, ranks_per_node):
     topology = Topology(rank, world, ranks_per_node)
     groups = create_process_groups(topology)
     out = {}
-    for model in ("plain", "checkpointed"):
+    for model in MODELS:
         for preset in PRESETS:
             for sharding in ("replicated", "node"):
-                torch.manual_seed(0)  # as make_model(0): both models start from the same weights
-                module = (CheckpointedLM() if model == "checkpointed" else TinyLM()).to(torch.bfloat16)
+                torch.manual_seed(0)  # as make_model(0): both modes start from the same weights
+                module = MODELS[model]().to(torch.bfloat16)
                 optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.1)
                 engine = ShardedEngine(module, _config(preset, sharding), topology, groups)
                 engine.shard_optimizer(optimizer)
@@ -114,7 +138,7 @@ def test_node_sharding_matches_the_replicated_mode_bit_for_bit(nodes, ranks_per_
     world = nodes * ranks_per_node
     results = run_workers(_job, world, ranks_per_node)
     for rank in range(world):
-        for model in ("plain", "checkpointed"):
+        for model in MODELS:
             for preset in PRESETS:
                 node = results[rank][(model, preset, "node")]
                 replicated = results[rank][(model, preset, "replicated")]

@@ -1,4 +1,4 @@
-"""Small models shared by the tests: a tiny tied-embedding transformer language model."""
+"""Small models shared by the tests: tiny tied-embedding language models."""
 
 from __future__ import annotations
 
@@ -45,6 +45,33 @@ class TinyLM(nn.Module):
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+class TiedGPT(nn.Module):
+    """GPT-2's layout in small: token and position embeddings as nn.Embedding modules, residual
+    MLP blocks, a final norm and a head tied to the token embedding. Every parameter belongs to
+    the module whose forward reads it."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, layers: int = 2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(CONTEXT, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            for _ in range(layers)
+        )
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 def make_model(seed: int = 0, **kwargs) -> TinyLM:
