@@ -163,6 +163,26 @@ def rank_gradients(run: Baseline, layouts) -> tuple[list[torch.Tensor], list[flo
     return grads, times, statistics.mean(losses)
 
 
+def adam_preconditioners(run: Baseline, layouts) -> list[torch.Tensor] | None:
+    """Per bucket fp32 [N]: 1 / (sqrt(v / (1 - beta2^t)) + eps), what Adam divides each element's
+    update by, from the optimizer's state before this step's update (0 where no parameter lies);
+    None before the first step, when Adam holds no state."""
+    params = dict(run.model.named_parameters())
+    states = [(run.optimizer.state.get(run.masters[id(param)]), name) for name, param in params.items()]
+    if any(state is None or "exp_avg_sq" not in state for state, _ in states):
+        return None
+    (_, beta2), eps = run.optimizer.defaults["betas"], run.optimizer.defaults["eps"]
+    weights = {}
+    for state, name in states:
+        correction = 1 - beta2 ** float(state["step"])
+        weights[name] = 1.0 / ((state["exp_avg_sq"] / correction).sqrt() + eps)
+    out = [torch.zeros(layout.numel, device=run.device) for layout in layouts]
+    for bucket, layout in zip(out, layouts, strict=True):
+        for slot in layout.slots:
+            bucket[slot.start : slot.start + slot.numel] = weights[slot.name].reshape(-1)
+    return out
+
+
 def capture(run: Baseline, vocab: str) -> dict:
     """This step's measurements (hadamard_errors.measure_bucket over every bucket)."""
     study = run.study
@@ -170,10 +190,11 @@ def capture(run: Baseline, vocab: str) -> dict:
     config = replace(TLQ_HS, bucket_numel=study.bucket_numel)  # tlq has the same buckets: no weight groups
     layouts = bucket_layouts(list(run.model.named_parameters()), config, study.ranks)
     grads, times, loss = rank_gradients(run, layouts)
+    adam = adam_preconditioners(run, layouts) or [None] * len(layouts)
     tally = Tally(GROUPS)
     for index, (layout, bucket) in enumerate(zip(layouts, grads, strict=True)):
         labels = element_labels(layout, group_of, len(GROUPS), run.device)
-        measure_bucket(bucket, labels, local, run.step, index, tally)
+        measure_bucket(bucket, labels, local, run.step, index, tally, adam[index])
     return {
         "vocab": vocab, "step": run.step, "loss": loss, "world": study.world, "vocab_size": study.vocab_size,
         "rank_pass_ms": statistics.median(times), "buckets": [layout.numel for layout in layouts],
@@ -251,8 +272,8 @@ def diagnose(args, study: Study, steps: list[int]) -> None:
     deadline = args.started + args.budget
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.state.mkdir(parents=True, exist_ok=True)
-    part = {(v, s): args.state / f"part-{v}-{s:06d}.json" for v in VOCABS for s in steps}
-    pending = [(s, v) for s in steps for v in VOCABS if not part[v, s].exists()]
+    part = {(v, s): args.state / f"part-{v}-{s:06d}.json" for v in args.vocabs for s in steps}
+    pending = [(s, v) for s in steps for v in args.vocabs if not part[v, s].exists()]
     time_kernels = device.type == "cuda" and not (args.state / "kernels.json").exists()
     print(f"pending captures: {pending}; kernel timing: {'pending' if time_kernels else 'done or no GPU'}", flush=True)
     if not pending and not time_kernels and (args.state / "meta.json").exists():
@@ -313,6 +334,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, help="where hadamard_diagnostic.json is written")
     parser.add_argument("--state", type=Path, default=Path("/tmp/sdp4bit_hadamard"), help="caches and resumes")
     parser.add_argument("--steps", help=f"capture steps, comma-separated (default {DEFAULT_STEPS}; smoke 2,5)")
+    parser.add_argument("--vocabs", default=",".join(VOCABS), help=f"which to measure, comma-separated: {VOCABS}")
     parser.add_argument("--budget", type=float, default=320, help="seconds from the start before training stops")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, tiny vocabulary, a few steps (CI, CPU)")
     parser.add_argument(
@@ -332,6 +354,10 @@ def main(argv: list[str]) -> None:
     steps = sorted({int(s) for s in (args.steps or ("2,5" if args.smoke else DEFAULT_STEPS)).split(",")})
     if steps[0] < 0 or steps[-1] >= study.steps:
         parser.error(f"--steps must lie in 0..{study.steps - 1}, got {args.steps}")
+    named = args.vocabs.split(",")
+    if not set(named) <= set(VOCABS):
+        parser.error(f"--vocabs takes names from {VOCABS}, comma-separated; got {args.vocabs!r}")
+    args.vocabs = [v for v in VOCABS if v in named]  # in VOCABS' order
     args.vocab = SMOKE_BPE_VOCAB if args.smoke else BPE_VOCAB
     diagnose(args, study, steps)
 

@@ -19,6 +19,13 @@ parameter group's elements, summed in fp64):
 - **the batch's own sampling noise**, the standard error of that mean over the ranks' windows,
   sqrt(sum_r ||W g_r - mean||^2 / (W (W - 1))), relative to the mean: stochastic rounding is
   unbiased, so its error adds to this noise as more noise of the same kind would;
+- **the same errors as Adam sees them** (under "adam", when `measure_bucket` is given Adam's
+  per-element preconditioner 1 / (sqrt(v) + eps)): every error and reference weighted by it
+  before the norms. Adam divides each element's update by the RMS of its recent gradients, so
+  an element with a small gradient moves as far as one with a large one, and noise moved onto
+  it (which the rotation does: it spreads a block's quantization noise evenly over its 32
+  elements) costs as much as noise on a large one; the plain norms, dominated by the largest
+  elements, cannot see that;
 - **the shape of each quantization group** (what sets its absmax scale): max/RMS and kurtosis
   E[x^4] / E[x^2]^2 (moments about 0, as the quantizer is symmetric about 0: 3 for Gaussian
   values, 128 for one spike among zeros), of the ranks' gradients (the int8 stage's input) and of
@@ -147,27 +154,32 @@ class Tally:
 
     def summary(self) -> dict:
         """{group or "all": {"elements", "grad_share", "int4_error": {"plain", "hadamard"},
-        "two_level_error": {"tlq", "tlq_hs"}, "batch_noise", "shape": {name: {p50, p99, max}}}}."""
+        "two_level_error": {"tlq", "tlq_hs"}, "batch_noise", "shape": {name: {p50, p99, max}},
+        and, where measured, "adam": the three errors again as Adam sees them}}."""
         assert self.elements is not None, "no bucket measured"
         sums = {name: [*values[:-1].tolist(), values[:-1].sum().item()] for name, values in self.sums.items()}
         out = {}
         for index, group in enumerate([*self.groups, "all"]):
-
-            def ratio(error: str, reference: str, i: int = index) -> float:
-                return (sums[error][i] / sums[reference][i]) ** 0.5 if sums[reference][i] > 0 else float("nan")
-
             out[group] = {
                 "elements": int(self.elements[:-1].sum() if group == "all" else self.elements[index]),
                 "grad_share": sums["mean"][index] / sums["mean"][-1],
-                "int4_error": {
-                    "plain": ratio("int4_plain", "node_sums"),
-                    "hadamard": ratio("int4_hadamard", "node_sums"),
-                },
-                "two_level_error": {"tlq": ratio("tlq", "mean"), "tlq_hs": ratio("tlq_hs", "mean")},
-                "batch_noise": ratio("spread", "mean") / (self.world * (self.world - 1)) ** 0.5,
+                **self._errors(sums, index, ""),
                 "shape": {name: self._quantiles(name, None if group == "all" else index) for name in self.shapes},
             }
+            if "mean_adam" in sums:
+                out[group]["adam"] = self._errors(sums, index, "_adam")
         return out
+
+    def _errors(self, sums: dict[str, list[float]], index: int, suffix: str) -> dict:
+        def ratio(error: str, reference: str) -> float:
+            error, reference = sums[error + suffix][index], sums[reference + suffix][index]
+            return (error / reference) ** 0.5 if reference > 0 else float("nan")
+
+        return {
+            "int4_error": {"plain": ratio("int4_plain", "node_sums"), "hadamard": ratio("int4_hadamard", "node_sums")},
+            "two_level_error": {"tlq": ratio("tlq", "mean"), "tlq_hs": ratio("tlq_hs", "mean")},
+            "batch_noise": ratio("spread", "mean") / (self.world * (self.world - 1)) ** 0.5,
+        }
 
     def _quantiles(self, name: str, label: int | None) -> dict[str, float]:
         values = torch.cat([v if label is None else v[labels == label] for labels, v in self.shapes[name]])
@@ -178,31 +190,40 @@ class Tally:
         return {key: values[round(q * last)].item() for key, q in QUANTILES.items()}
 
 
-def measure_bucket(grads: Tensor, labels: Tensor, ranks_per_node: int, step: int, bucket: int, tally: Tally) -> None:
+def measure_bucket(
+    grads: Tensor, labels: Tensor, ranks_per_node: int, step: int, bucket: int, tally: Tally, adam: Tensor | None = None
+) -> None:
     """Add one bucket's measurements (the module docstring's list) to `tally`. grads fp32 [W, N],
-    labels int64 [N]."""
+    labels int64 [N], adam: fp32 [N], Adam's preconditioner 1 / (sqrt(v) + eps) per element, 0
+    where no parameter lies (or None: no "adam" errors)."""
     group = TLQ_HS.grad_group_size
     runs = Runs.of(labels)
+
+    def add(name: str, values: Tensor) -> None:
+        tally.add_squares(name, runs, values)
+        if adam is not None:
+            tally.add_squares(f"{name}_adam", runs, values.double() * adam)
+
     count = torch.zeros(len(tally.groups) + 1, dtype=torch.int64, device=labels.device)
     count.index_add_(0, runs.labels, runs.bounds.diff())
     tally.elements = count if tally.elements is None else tally.elements + count
     exact = torch.zeros(grads.shape[1], dtype=torch.float64, device=grads.device)
     for rank_grad in grads:
         exact += rank_grad
-    tally.add_squares("mean", runs, exact)
+    add("mean", exact)
     tally.world = grads.shape[0]
     for rank_grad in grads:  # W g_r: the gradient of rank r's window alone
-        tally.add_squares("spread", runs, rank_grad.double() * tally.world - exact)
+        add("spread", rank_grad.double() * tally.world - exact)
     for name, config in (("tlq", TLQ), ("tlq_hs", TLQ_HS)):
         estimate = two_level_mean(grads, ranks_per_node, config, step, bucket)
-        tally.add_squares(name, runs, estimate.double() - exact)
+        add(name, estimate.double() - exact)
     del exact
     group_labels = labels[::group].expand(ranks_per_node, -1).reshape(-1)  # [L * N / g]: one node's ranks
     for node, total in enumerate(node_sums(grads, ranks_per_node)):
-        tally.add_squares("node_sums", runs, total)
+        add("node_sums", total)
         seed = stage_seed(TLQ_HS.seed, step, bucket, node)  # the same draws with and without the rotation
         for name, size in (("int4_plain", 0), ("int4_hadamard", ROTATION)):
-            tally.add_squares(name, runs, int4_round_trip(total, size, seed) - total)
+            add(name, int4_round_trip(total, size, seed) - total)
         for suffix, x in (("", total), ("_rotated", blockwise_hadamard(total, ROTATION))):
             crest, kurtosis = group_shape(x, group)
             tally.add_shape(f"node_crest{suffix}", labels[::group], crest)

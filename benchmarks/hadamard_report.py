@@ -30,18 +30,22 @@ def noise_change(row: dict) -> float:
     return ((n**2 + both["tlq_hs"] ** 2) / (n**2 + both["tlq"] ** 2)) ** 0.5 - 1
 
 
-def _errors(captures: list[dict]) -> list[str]:
+def _errors(captures: list[dict], adam: bool = False) -> list[str]:
+    """The errors table: as measured, or (adam) as Adam sees them, for the captures that have them."""
     lines = [
         "| vocabulary | step | train loss | group | share of the gradient | batch noise | int4 stage "
         "| int4 stage, rotated | rotated / plain | TLq | TLq-HS | TLq-HS / TLq | total noise, TLq-HS vs TLq |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for capture in captures:
-        for group, row in capture["groups"].items():
+        for group, measured in capture["groups"].items():
+            row = measured.get("adam") if adam else measured
+            if row is None:
+                continue
             int4, both = row["int4_error"], row["two_level_error"]
             lines.append(
                 f"| {LABELS[capture['vocab']]} | {capture['step']} | {capture['loss']:.3f} | {group} | "
-                f"{_pct(row['grad_share'])} | {_pct(row['batch_noise'])} | {_pct(int4['plain'])} | "
+                f"{_pct(measured['grad_share'])} | {_pct(row['batch_noise'])} | {_pct(int4['plain'])} | "
                 f"{_pct(int4['hadamard'])} | {int4['hadamard'] / int4['plain']:.3f} | {_pct(both['tlq'])} | "
                 f"{_pct(both['tlq_hs'])} | {both['tlq_hs'] / both['tlq']:.3f} | {100 * noise_change(row):+.2f}% |"
             )
@@ -121,6 +125,14 @@ def _summary(report: dict) -> list[str]:
             f"{row['two_level_error']['tlq'] / row['batch_noise']:.2f}x the batch's sampling noise, and TLq-HS "
             f"changes the total gradient noise by {100 * change:+.2f}%: **{verdict}** (the rule below)."
         )
+        if "adam" in row:
+            adam = row["adam"]
+            both = adam["two_level_error"]
+            lines.append(
+                f"  As Adam sees them: the rotation scales the two-level error by "
+                f"{both['tlq_hs'] / both['tlq']:.3f} ({_pct(both['tlq'])} to {_pct(both['tlq_hs'])}), and changes "
+                f"the total gradient noise by {100 * noise_change(adam):+.2f}%."
+            )
     return lines
 
 
@@ -176,6 +188,16 @@ def write_report(report: dict, docs: Path) -> None:
         "changes, against TLq, in the averaged gradient's noise, sampling and quantization together.",
         "",
         *_errors(captures),
+        "",
+        "## Errors as Adam sees them",
+        "",
+        "The same errors with every element weighted by Adam's preconditioner 1 / (sqrt(v) + eps), v the "
+        "baseline optimizer's second moment before the step (bias-corrected): the relative size of the error "
+        "in the update Adam takes, where every element moves by about the learning rate whatever its "
+        "gradient's size. Captures at step 0 (no optimizer state yet) and from runs before this measure "
+        "existed have no rows here.",
+        "",
+        *_errors(captures, adam=True),
         "",
         "## The shape of the quantization groups",
         "",

@@ -16,6 +16,11 @@ import pytest
         ("node_gathers", ["--prefetch", "1,-1"], "argument --prefetch: must be at least 0, got -1"),
         ("node_gathers", ["--width", "66"], "argument --width: 66 is not a multiple of 4"),
         ("logits_peak", ["--width", "200"], "argument --width: 200 is not a multiple of 128"),
+        (
+            "hadamard_diagnostic",
+            ["--out", "out", "--vocabs", "bytes,words"],
+            "--vocabs takes names from ['bytes', 'bpe'], comma-separated; got 'bytes,words'",
+        ),
     ],
 )
 def test_a_bad_argument_names_its_flag(script, args, message, capsys, tmp_path, monkeypatch, benchmark_script):

@@ -5,16 +5,20 @@
   without loss, measure 0 (and the ranks' gradients are left as they were), random ones measure
   exactly ||two-level - sum of the ranks' gradients|| / ||sum||, and the batch's sampling noise is
   the standard error of that mean over the ranks;
+- as Adam sees them (each element weighted by Adam's preconditioner): with weights of 1 the errors
+  are the plain ones; a spike among values 10^5 times smaller in every block, weighted as Adam
+  weights them, shows what the plain norms hide: the rotation spreads the spike's noise onto the
+  tiny values, and TLq-HS errs several times more than TLq;
 - a group's sums add up its runs of elements, wherever they lie in the bucket;
 - a group's shape: a lone spike has max/RMS sqrt(128) and kurtosis 128, a constant group 1 and 1,
   an all-zero group is left out; every GPT parameter has a group;
 - the kernel timing calls the real kernels with the presets' settings, rotation off and on: the
   stage-1 payload is int8 by destination, the decoded shard is the reference twin's, bit for bit
   (in Triton's interpreter here);
-- the smoke run (a tiny GPT, both vocabularies, on CPU) measures every step it is given, writes its
-  output and the tokenizer whose SHA-256 it records, and a call with more steps goes on from the
-  saved training state to the same numbers as a straight run; a call with nothing pending only
-  writes the output again;
+- the smoke run (a tiny GPT, both vocabularies, on CPU) measures every step it is given (as Adam
+  sees it too, from the optimizer's state), writes its output and the tokenizer whose SHA-256 it
+  records, and a call with more steps goes on from the saved training state to the same numbers as
+  a straight run; a call with nothing pending only writes the output again;
 - the report writes the tables of every capture, says the kernel times are pending without a GPU,
   draws the figure, and keeps the notes below its marker when it rewrites the page; with kernel
   times it tabulates them and the rotation's cost a step; it merges two calls' outputs, but not
@@ -53,12 +57,36 @@ def test_the_rotation_lowers_the_int4_error_of_groups_with_an_outlier(errors):
     assert 0.8 < rotated / plain < 1.25
 
 
-def _measure(errors, grads: torch.Tensor, local: int):
+def _measure(errors, grads: torch.Tensor, local: int, adam: torch.Tensor | None = None):
     tally = errors.Tally(["a", "b"])
     labels = torch.zeros(grads.shape[1], dtype=torch.int64)
     labels[grads.shape[1] // 2 :] = 1
-    errors.measure_bucket(grads, labels, local, step=3, bucket=0, tally=tally)
+    errors.measure_bucket(grads, labels, local, step=3, bucket=0, tally=tally, adam=adam)
     return tally.summary()
+
+
+def test_errors_as_adam_sees_them(errors):
+    world, local, numel = 8, 2, 8 * 256
+    grads = torch.randn(world, numel, generator=torch.Generator().manual_seed(1)) / world
+    plain = _measure(errors, grads, local)
+    unweighted = _measure(errors, grads, local, adam=torch.ones(numel))
+    for group in ("a", "b", "all"):
+        assert "adam" not in plain[group]
+        for key in ("int4_error", "two_level_error", "batch_noise"):
+            assert unweighted[group]["adam"][key] == pytest.approx(plain[group][key], rel=1e-12)
+
+    # Every block of 32: one element 10^5 times the others (the same spike on every rank, a little
+    # noise on each), weighted as Adam would weight them, by 1 / their size. Unrotated, stochastic
+    # rounding gives a value x far below its group's step s a noise of variance |x| s; rotated,
+    # every element of the block gets the spike's share, (s / sqrt(32))^2 / 6: it costs the tiny
+    # ones only where they lie more than about 10^3 below the spike.
+    size = torch.full((numel,), 1e-5)
+    size[::32] = 1.0
+    noise = torch.randn(world, numel, generator=torch.Generator().manual_seed(2))
+    spiky = size * (1 + 0.1 * noise) / world
+    measured = _measure(errors, spiky, local, adam=1 / size)["all"]
+    assert measured["two_level_error"]["tlq_hs"] < 2 * measured["two_level_error"]["tlq"]
+    assert measured["adam"]["two_level_error"]["tlq_hs"] > 3 * measured["adam"]["two_level_error"]["tlq"]
 
 
 def test_errors_are_measured_against_the_exact_mean(errors):
@@ -166,6 +194,7 @@ def test_smoke_run_measures_resumes_and_reports(tmp_path, benchmark_script):
     for a, b in zip(first["captures"], again["captures"], strict=True):
         assert (a["loss"], a["groups"]) == (b["loss"], b["groups"])
     assert first["captures"][2]["loss"] < first["captures"][0]["loss"]  # it trained
+    assert all("adam" in group for capture in first["captures"] for group in capture["groups"].values())
     assert first["kernels"] is None  # timed on a GPU only
     tokenizer = (straight / "out" / "bpe_tokenizer.json").read_bytes()
     import hashlib
@@ -189,6 +218,9 @@ def test_smoke_run_measures_resumes_and_reports(tmp_path, benchmark_script):
     for vocab, step in (("bytes", 1), ("BPE", 4)):
         assert f"| {vocab} | {step} |" in page
     assert "| BPE | 4 | embedding |" in page and "Kernel times: **pending the H200 run**" in page
+    adam_table = page.split("## Errors as Adam sees them", 1)[1].split("##", 1)[0]
+    rows = [line for line in adam_table.splitlines() if line.startswith(("| bytes |", "| BPE |"))]
+    assert len(rows) == 4 * 6 and rows[0].startswith("| bytes | 1 |") and rows[-1].startswith("| BPE | 4 |")
     assert (docs / "hadamard.png").stat().st_size > 0
 
     # Two calls' outputs in one report: all the captures, in order; not of two tokenizers.
