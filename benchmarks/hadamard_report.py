@@ -125,13 +125,15 @@ def _summary(report: dict) -> list[str]:
             f"{row['two_level_error']['tlq'] / row['batch_noise']:.2f}x the batch's sampling noise, and TLq-HS "
             f"changes the total gradient noise by {100 * change:+.2f}%: **{verdict}** (the rule below)."
         )
-        if "adam" in row:
-            adam = row["adam"]
+        weighted = [c for c in report["captures"] if c["vocab"] == vocab and "adam" in c["groups"]["all"]]
+        if weighted:
+            adam = weighted[-1]["groups"]["all"]["adam"]
             both = adam["two_level_error"]
             lines.append(
-                f"  As Adam sees them: the rotation scales the two-level error by "
-                f"{both['tlq_hs'] / both['tlq']:.3f} ({_pct(both['tlq'])} to {_pct(both['tlq_hs'])}), and changes "
-                f"the total gradient noise by {100 * noise_change(adam):+.2f}%."
+                f"  As Adam sees them (step {weighted[-1]['step']}): the rotation scales the two-level error by "
+                f"{both['tlq_hs'] / both['tlq']:.3f} ({_pct(both['tlq'])} to {_pct(both['tlq_hs'])}), against a "
+                f"sampling noise of {_pct(adam['batch_noise'])}, and changes the total gradient noise by "
+                f"{100 * noise_change(adam):+.2f}%."
             )
     return lines
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 NODES, LOCAL, VOCAB = 16, 4, 49_984
-CONFIG = SDP4BitConfig.preset("tlq_hs")
+CONFIG = SDP4BitConfig.preset("tlq_hs", bucket_numel=100_000_000)  # the study's buckets
 
 
 @pytest.fixture(scope="module")
