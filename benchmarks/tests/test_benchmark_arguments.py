@@ -17,6 +17,11 @@ import pytest
         ("node_gathers", ["--width", "66"], "argument --width: 66 is not a multiple of 4"),
         ("logits_peak", ["--width", "200"], "argument --width: 200 is not a multiple of 128"),
         (
+            "accuracy_probe",
+            ["--runs", "tlq:2:6e-4", "--out", "out"],
+            "--runs: run 'tlq:2:6e-4': the warm-up is a fraction of the steps in [0, 1)",
+        ),
+        (
             "hadamard_diagnostic",
             ["--out", "out", "--vocabs", "bytes,words"],
             "--vocabs takes names from ['bytes', 'bpe'], comma-separated; got 'bytes,words'",
